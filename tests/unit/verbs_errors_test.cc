@@ -1,0 +1,60 @@
+// Error reporting of the verbs layer that needs no device: every message a
+// user can hit names the cause and the fix.
+#include <gtest/gtest.h>
+#include <sys/resource.h>
+
+#include "transport/rdma/verbs.h"
+
+namespace rdmarpc::rdma {
+namespace {
+
+bool Contains(absl::string_view hay, absl::string_view needle) {
+  return hay.find(needle) != absl::string_view::npos;
+}
+
+TEST(VerbsErrors, NoDevicePointsToTheSoftRoceHarness) {
+  if (!Device::ListNames().empty()) GTEST_SKIP() << "this host has an RDMA device";
+  auto dev = Device::Open({});
+  ASSERT_FALSE(dev.ok());
+  EXPECT_EQ(dev.status().code(), absl::StatusCode::kNotFound);
+  EXPECT_TRUE(Contains(dev.status().message(), "tools/rxe-vm")) << dev.status();
+  EXPECT_TRUE(Contains(dev.status().message(), "rdma link add")) << dev.status();
+}
+
+TEST(VerbsErrors, MemlockAdviceNamesTheLimitTheNeedAndTheFixes) {
+  rlimit old{};
+  ASSERT_EQ(getrlimit(RLIMIT_MEMLOCK, &old), 0);
+  rlimit low = old;
+  low.rlim_cur = 64 * 1024;  // Soft limit only: we can raise it back.
+  ASSERT_EQ(setrlimit(RLIMIT_MEMLOCK, &low), 0);
+  std::string advice = MemlockAdvice(8u << 20);
+  ASSERT_EQ(setrlimit(RLIMIT_MEMLOCK, &old), 0);
+  EXPECT_TRUE(Contains(advice, "RLIMIT_MEMLOCK is 64 KiB")) << advice;
+  EXPECT_TRUE(Contains(advice, "needs 8 MiB")) << advice;
+  EXPECT_TRUE(Contains(advice, "ulimit -l")) << advice;
+  EXPECT_TRUE(Contains(advice, "LimitMEMLOCK")) << advice;
+  EXPECT_TRUE(Contains(advice, "IPC_LOCK")) << advice;
+}
+
+TEST(VerbsErrors, WorkCompletionErrorsMapToCanonicalCodesAndKeepTheVerbsText) {
+  auto st = WcStatusToStatus(IBV_WC_RETRY_EXC_ERR, 0x81, "conn 7");
+  EXPECT_EQ(st.code(), absl::StatusCode::kUnavailable);
+  EXPECT_TRUE(Contains(st.message(), ibv_wc_status_str(IBV_WC_RETRY_EXC_ERR))) << st;
+  EXPECT_TRUE(Contains(st.message(), "conn 7")) << st;
+  EXPECT_TRUE(Contains(st.message(), "0x81")) << st;
+  EXPECT_EQ(WcStatusToStatus(IBV_WC_REM_ACCESS_ERR, 0, "x").code(), absl::StatusCode::kPermissionDenied);
+  EXPECT_EQ(WcStatusToStatus(IBV_WC_WR_FLUSH_ERR, 0, "x").code(), absl::StatusCode::kCancelled);
+  EXPECT_EQ(WcStatusToStatus(IBV_WC_LOC_LEN_ERR, 0, "x").code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_TRUE(WcStatusToStatus(IBV_WC_SUCCESS, 0, "x").ok());
+}
+
+TEST(VerbsErrors, ErrnoStatusKeepsTheCallAndTheErrnoText) {
+  auto st = ErrnoStatus(ENOMEM, "ibv_create_cq(4096) on rxe0");
+  EXPECT_EQ(st.code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_TRUE(Contains(st.message(), "ibv_create_cq(4096) on rxe0")) << st;
+  EXPECT_TRUE(Contains(st.message(), "Cannot allocate memory")) << st;
+  EXPECT_EQ(ErrnoStatus(ENODEV, "x").code(), absl::StatusCode::kNotFound);
+}
+
+}  // namespace
+}  // namespace rdmarpc::rdma
