@@ -1,0 +1,206 @@
+// The transport seam: a message-shaped, ordered, reliable connection between
+// two processes. It knows nothing about RPCs. Backends: transport/rdma (RC QPs,
+// eager SEND/RECV + rendezvous RDMA WRITE) and transport/tcp (Asio sockets).
+//
+// Contracts every backend keeps (the conformance suite in tests/conformance
+// checks them against each backend):
+//  - Messages arrive whole, in send order, each exactly once, with their
+//    exact length (0 bytes allowed), up to max_message_size().
+//  - Completion handlers run on their associated executor (default: the
+//    connection's executor), never inline inside the initiating call.
+//  - Receive() honours per-operation cancellation (terminal/partial): the
+//    handler completes with CANCELLED and no message is lost -- the next
+//    Receive() gets it.
+//  - After an error or Close(), every pending and later operation completes
+//    with a non-OK status (UNAVAILABLE for transport failures, CANCELLED for
+//    Close()); a failure on one connection affects that connection only.
+//
+// Lifetimes: a Connection must outlive the operations started on it; destroy
+// it only after Close() and after its pending handlers ran (or drop the
+// io_context). Message and SendBuffer keep a pointer to their connection's
+// buffer owner and must be released before the connection is destroyed.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+
+#include <boost/asio/any_completion_handler.hpp>
+#include <boost/asio/any_io_executor.hpp>
+#include <boost/asio/async_result.hpp>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+
+namespace rdmarpc::transport {
+
+namespace asio = boost::asio;
+
+// Someone who lends memory to a Message or SendBuffer and wants it back.
+class BufferOwner {
+ public:
+  virtual void Release(uint64_t token) noexcept = 0;
+
+ protected:
+  ~BufferOwner() = default;
+};
+
+// A received message: a read-only view of transport-owned memory (for RDMA, a
+// registered receive slot or a granted rendezvous buffer). Destroying the
+// Message returns that memory, so holding many Messages holds back credits.
+class Message {
+ public:
+  Message() = default;
+  Message(std::span<const std::byte> data, BufferOwner* owner, uint64_t token) noexcept
+      : data_(data), owner_(owner), token_(token) {}
+  Message(Message&& o) noexcept : data_(o.data_), owner_(o.owner_), token_(o.token_) { o.owner_ = nullptr; }
+  Message& operator=(Message&& o) noexcept {
+    if (this != &o) {
+      Reset();
+      data_ = o.data_;
+      owner_ = o.owner_;
+      token_ = o.token_;
+      o.owner_ = nullptr;
+    }
+    return *this;
+  }
+  ~Message() { Reset(); }
+
+  std::span<const std::byte> data() const { return data_; }
+  size_t size() const { return data_.size(); }
+  void Reset() noexcept {
+    if (owner_ != nullptr) std::exchange(owner_, nullptr)->Release(token_);
+    data_ = {};
+  }
+
+ private:
+  std::span<const std::byte> data_;
+  BufferOwner* owner_ = nullptr;
+  uint64_t token_ = 0;
+};
+
+// Writable transport-owned memory for one outgoing message of a fixed size:
+// serialise straight into it, then hand it to Send(). Dropping it unsent
+// returns the memory.
+class SendBuffer {
+ public:
+  SendBuffer() = default;
+  SendBuffer(std::span<std::byte> data, BufferOwner* owner, uint64_t token) noexcept
+      : data_(data), owner_(owner), token_(token) {}
+  SendBuffer(SendBuffer&& o) noexcept : data_(o.data_), owner_(o.owner_), token_(o.token_) { o.owner_ = nullptr; }
+  SendBuffer& operator=(SendBuffer&& o) noexcept {
+    if (this != &o) {
+      Reset();
+      data_ = o.data_;
+      owner_ = o.owner_;
+      token_ = o.token_;
+      o.owner_ = nullptr;
+    }
+    return *this;
+  }
+  ~SendBuffer() { Reset(); }
+
+  std::span<std::byte> data() const { return data_; }
+  size_t size() const { return data_.size(); }
+  // For the backend that made it: takes the token without releasing it.
+  uint64_t Detach() noexcept {
+    owner_ = nullptr;
+    return token_;
+  }
+  BufferOwner* owner() const { return owner_; }
+  void Reset() noexcept {
+    if (owner_ != nullptr) std::exchange(owner_, nullptr)->Release(token_);
+    data_ = {};
+  }
+
+ private:
+  std::span<std::byte> data_;
+  BufferOwner* owner_ = nullptr;
+  uint64_t token_ = 0;
+};
+
+// Counters a connection keeps; read with stats() from any thread (a snapshot).
+struct ConnectionStats {
+  uint64_t messages_sent = 0;
+  uint64_t messages_received = 0;
+  uint64_t bytes_sent = 0;
+  uint64_t bytes_received = 0;
+  // RDMA only (zero elsewhere).
+  uint64_t wr_posted = 0;
+  uint64_t wr_completed = 0;
+  uint64_t eager_bytes = 0;
+  uint64_t rendezvous_bytes = 0;
+  uint64_t credits_available = 0;    // SENDs we may post now.
+  uint64_t credit_frames_sent = 0;   // Credits returned without piggybacking.
+  uint64_t send_waits_for_credit = 0;
+  uint64_t grants_live = 0;
+  uint64_t rnr_errors = 0;           // IBV_WC_RNR_RETRY_EXC_ERR seen: 0 by design.
+  uint64_t wc_errors = 0;            // Non-success completions of any other kind.
+};
+
+using SendHandler = asio::any_completion_handler<void(absl::Status)>;
+using ReceiveHandler = asio::any_completion_handler<void(absl::StatusOr<Message>)>;
+
+class Connection {
+ public:
+  virtual ~Connection() = default;
+
+  virtual asio::any_io_executor get_executor() const = 0;
+  // Largest message Send() accepts and Receive() can deliver.
+  virtual size_t max_message_size() const = 0;
+  // "rdma://10.0.0.1:7000" / "tcp://127.0.0.1:7000" of the peer.
+  virtual std::string peer() const = 0;
+
+  // Memory for one outgoing message of exactly `size` bytes. Thread: the
+  // connection's executor.
+  virtual absl::StatusOr<SendBuffer> Prepare(size_t size) = 0;
+  // Queues `buffer` for sending; completes once the transport is done with it.
+  virtual void Send(SendBuffer buffer, SendHandler handler) = 0;
+  virtual void Receive(ReceiveHandler handler) = 0;
+  // Idempotent. Pending operations complete with CANCELLED; the peer sees the
+  // connection end (its operations fail with UNAVAILABLE).
+  virtual void Close() = 0;
+  virtual ConnectionStats stats() const = 0;
+
+  template <typename Token>
+  auto async_send(SendBuffer buffer, Token&& token) {
+    return asio::async_initiate<Token, void(absl::Status)>(
+        [this](auto handler, SendBuffer b) { Send(std::move(b), std::move(handler)); }, token,
+        std::move(buffer));
+  }
+  // Convenience: copies `bytes` into a prepared buffer first.
+  template <typename Token>
+  auto async_send(std::span<const std::byte> bytes, Token&& token) {
+    return asio::async_initiate<Token, void(absl::Status)>(
+        [this](auto handler, std::span<const std::byte> b) { SendCopy(b, std::move(handler)); },
+        token, bytes);
+  }
+  template <typename Token>
+  auto async_receive(Token&& token) {
+    return asio::async_initiate<Token, void(absl::StatusOr<Message>)>(
+        [this](auto handler) { Receive(std::move(handler)); }, token);
+  }
+
+ private:
+  void SendCopy(std::span<const std::byte> bytes, SendHandler handler);
+};
+
+class Listener {
+ public:
+  virtual ~Listener() = default;
+  using AcceptHandler = asio::any_completion_handler<void(absl::StatusOr<std::unique_ptr<Connection>>)>;
+  virtual void Accept(AcceptHandler handler) = 0;
+  // The URI peers connect to (port resolved when 0 was asked for).
+  virtual std::string local_uri() const = 0;
+  virtual void Close() = 0;
+
+  template <typename Token>
+  auto async_accept(Token&& token) {
+    return asio::async_initiate<Token, void(absl::StatusOr<std::unique_ptr<Connection>>)>(
+        [this](auto handler) { Accept(std::move(handler)); }, token);
+  }
+};
+
+}  // namespace rdmarpc::transport
