@@ -1,0 +1,63 @@
+// The RDMA transport's own frame header (below the RPC layer's frames).
+//
+// Every SEND carries one 16-byte little-endian header followed by its body:
+//   DATA    body = a whole message (eager path)
+//   RTS     "I have a `length`-byte message #cookie": asks for a grant
+//   CTS     body = Grant: where to RDMA WRITE message #cookie
+//   CREDIT  no body; only returns credits
+// RDMA WRITE_WITH_IMM (imm = grant id) carries rendezvous payloads and has no
+// header at all. Every field read from the wire is validated by Decode before
+// anything uses it.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <span>
+
+#include "absl/status/statusor.h"
+
+namespace rdmarpc::rdma::wire {
+
+inline constexpr uint8_t kMagic = 0xD7;
+inline constexpr uint8_t kVersion = 1;
+
+enum class Type : uint8_t { kData = 1, kRts = 2, kCts = 3, kCredit = 4 };
+
+struct Header {
+  Type type = Type::kData;
+  uint16_t data_credits = 0;  // RECVs for data frames the sender reposted since it last said so.
+  uint8_t ctrl_credits = 0;   // Same, for RECVs consumed by CREDIT frames.
+  uint32_t length = 0;        // DATA: body bytes. RTS: message bytes. CTS: granted bytes.
+  uint32_t cookie = 0;        // RTS/CTS: the sender's message number (wraps).
+};
+inline constexpr size_t kHeaderSize = 16;
+
+struct Grant {
+  uint64_t addr = 0;
+  uint32_t rkey = 0;
+  uint32_t grant_id = 0;
+};
+inline constexpr size_t kGrantSize = 16;
+
+// Connection parameters exchanged in rdma_cm private data (max 56 bytes on
+// RC connect with IB CM; we use 24).
+struct Hello {
+  uint16_t recv_data = 0;      // RECVs the sender keeps posted for data frames.
+  uint16_t recv_ctrl = 0;      // ... and for CREDIT frames.
+  uint32_t recv_slot_bytes = 0;  // Bytes per receive slot, header included.
+  uint64_t max_message = 0;    // Largest message it accepts.
+};
+inline constexpr size_t kHelloSize = 24;
+
+void EncodeHeader(const Header& h, std::byte* out) noexcept;
+void EncodeGrant(const Grant& g, std::byte* out) noexcept;
+void EncodeHello(const Hello& h, std::byte* out) noexcept;
+
+// Validates magic, version, type, and that the frame's length agrees with the
+// bytes received (`frame` is what the RECV completion reported).
+absl::StatusOr<Header> DecodeHeader(std::span<const std::byte> frame) noexcept;
+absl::StatusOr<Grant> DecodeGrant(std::span<const std::byte> body) noexcept;
+absl::StatusOr<Hello> DecodeHello(std::span<const std::byte> data) noexcept;
+
+}  // namespace rdmarpc::rdma::wire
