@@ -1,0 +1,937 @@
+// The RDMA connection: send path, receive path, rendezvous, credits.
+// Layout of this file: resources and setup, send path, receive path,
+// completion dispatch, failure and close, then Listen/Connect.
+#include <sys/mman.h>
+
+#include <algorithm>
+#include <cstring>
+#include <deque>
+#include <list>
+#include <map>
+
+#include <boost/asio/bind_cancellation_slot.hpp>
+#include <boost/asio/co_spawn.hpp>
+#include <boost/asio/detached.hpp>
+#include <boost/asio/dispatch.hpp>
+#include <boost/asio/post.hpp>
+#include <boost/asio/use_awaitable.hpp>
+
+#include "absl/strings/str_cat.h"
+#include "transport/common/log.h"
+#include "transport/completion.h"
+#include "transport/rdma/credits.h"
+#include "transport/rdma/poller.h"
+#include "transport/rdma/rdma_transport.h"
+#include "transport/rdma/wire.h"
+
+namespace rdmarpc::rdma {
+namespace {
+
+using transport::Message;
+using transport::ReceiveHandler;
+using transport::SendBuffer;
+using transport::SendHandler;
+
+// wr_id layout: kind (8 bits) | WRs covered by this completion (8 bits) | index (48 bits).
+enum WrKind : uint64_t { kWrSend = 1, kWrRecv = 2, kWrWrite = 3 };
+constexpr uint64_t MakeWrId(WrKind kind, uint64_t covered, uint64_t index) {
+  return (static_cast<uint64_t>(kind) << 56) | (covered << 48) | index;
+}
+constexpr WrKind WrKindOf(uint64_t id) { return static_cast<WrKind>(id >> 56); }
+constexpr uint64_t WrCovered(uint64_t id) { return (id >> 48) & 0xFF; }
+constexpr uint64_t WrIndex(uint64_t id) { return id & ((uint64_t{1} << 48) - 1); }
+
+// kNoHandlerAssign: Boost 1.81's any_completion_handler move *assignment*
+// copies its argument as an lvalue, which re-wraps the handler in itself
+// without end (fixed in Boost 1.82). This file therefore never move-assigns a
+// handler (swap, construct, or assign nullptr instead) and keeps handlers in
+// containers that never shift elements by assignment.
+
+// Buffer tokens (Message/SendBuffer -> BufferOwner::Release).
+enum TokenKind : uint64_t { kTokSendSlot = 1, kTokRecvSlot = 2, kTokLargeOut = 3, kTokLargeIn = 4 };
+constexpr uint64_t MakeToken(TokenKind k, uint64_t index) { return (static_cast<uint64_t>(k) << 56) | index; }
+constexpr TokenKind TokenKindOf(uint64_t t) { return static_cast<TokenKind>(t >> 56); }
+constexpr uint64_t TokenIndex(uint64_t t) { return t & ((uint64_t{1} << 56) - 1); }
+
+// Send slots only control frames (RTS/CTS/CREDIT) may take: if messages
+// waiting for credits held every slot, the CREDIT frame that would unblock
+// the peer (and so us) could never be built.
+constexpr uint32_t kControlSlots = 4;
+
+// Slot stride: header + payload rounded to a cache line, so slots never share one.
+size_t RoundUp(size_t v, size_t to) { return (v + to - 1) / to * to; }
+
+// Memory registered for one large message: an exact-size MR, so a grant's
+// rkey covers exactly the granted bytes and dies with the deregistration.
+struct LargeBuffer {
+  std::unique_ptr<std::byte[]> memory;
+  size_t size = 0;
+  MrPtr mr;
+};
+
+}  // namespace
+
+class RdmaConnectionImpl final : public std::enable_shared_from_this<RdmaConnectionImpl>,
+                                 public transport::BufferOwner {
+ public:
+  RdmaConnectionImpl(asio::any_io_executor ex, std::shared_ptr<RdmaContext> ctx, RdmaOptions opt)
+      : ex_(std::move(ex)), ctx_(std::move(ctx)), opt_(opt) {}
+
+  ~RdmaConnectionImpl() {
+    if (poller_) poller_->Stop();
+  }
+
+  // ---- setup ---------------------------------------------------------------
+
+  // Allocates slots, CQ and QP on `ep` and posts every receive. Executor only.
+  absl::Status Init(std::unique_ptr<CmEndpoint> ep) {
+    ep_ = std::move(ep);
+    const Device& dev = ctx_->device();
+    if (opt_.recv_depth < 2 || opt_.ctrl_depth < 1 || opt_.send_depth < 2)
+      return absl::InvalidArgumentError("RdmaOptions: recv_depth >= 2, ctrl_depth >= 1, send_depth >= 2");
+    if (opt_.eager_limit > (size_t{1} << 30))
+      return absl::InvalidArgumentError("RdmaOptions: eager_limit above 1 GiB");
+    // The smallest slot must hold a CTS (header + grant).
+    slot_bytes_ = RoundUp(wire::kHeaderSize + std::max(opt_.eager_limit, wire::kGrantSize), 64);
+    send_slots_ = opt_.send_depth + kControlSlots;
+    recv_slots_ = opt_.recv_depth + opt_.ctrl_depth;
+    const size_t bytes = slot_bytes_ * (send_slots_ + recv_slots_);
+    void* mem = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (mem == MAP_FAILED) return ErrnoStatus(errno, absl::StrCat("mmap of ", bytes, " slot bytes"));
+    slots_ = SlotMemory(static_cast<std::byte*>(mem), bytes);
+    auto mr = dev.RegisterMemory(mem, bytes, IBV_ACCESS_LOCAL_WRITE);
+    if (!mr.ok()) return mr.status();
+    slots_mr_ = std::move(*mr);
+
+    // Every WR that can be outstanding may complete at once: the CQ holds them all.
+    const int cq_depth = static_cast<int>(opt_.send_depth + recv_slots_);
+    if (cq_depth > dev.attr().max_cqe)
+      return absl::InvalidArgumentError(absl::StrCat("send_depth + recv_depth + ctrl_depth = ", cq_depth,
+                                                     " exceeds ", dev.name(), "'s max CQ size ",
+                                                     dev.attr().max_cqe));
+    if (opt_.send_depth > dev.attr().max_qp_wr || static_cast<int>(recv_slots_) > dev.attr().max_qp_wr)
+      return absl::InvalidArgumentError(absl::StrCat("queue depth exceeds ", dev.name(),
+                                                     "'s max_qp_wr ", dev.attr().max_qp_wr));
+    auto ch = CreateCompChannel(dev);
+    if (!ch.ok()) return ch.status();
+    channel_ = std::move(*ch);
+    auto cq = CreateCq(dev, cq_depth, channel_.get());
+    if (!cq.ok()) return cq.status();
+    cq_ = std::move(*cq);
+
+    ibv_qp_init_attr attr{};
+    attr.send_cq = cq_.get();
+    attr.recv_cq = cq_.get();
+    attr.cap.max_send_wr = opt_.send_depth;
+    attr.cap.max_recv_wr = recv_slots_;
+    attr.cap.max_send_sge = 1;
+    attr.cap.max_recv_sge = 1;
+    // Header + a small message inline saves the NIC a DMA read of the slot.
+    attr.cap.max_inline_data = 64 + wire::kHeaderSize;
+    if (auto st = ep_->CreateQp(dev.pd(), attr); !st.ok()) return st;
+    ibv_qp_attr qattr{};
+    ibv_qp_init_attr qinit{};
+    if (ibv_query_qp(ep_->qp(), &qattr, IBV_QP_CAP, &qinit) == 0) max_inline_ = qinit.cap.max_inline_data;
+    max_write_chunk_ = std::max<size_t>(dev.port().attr.max_msg_sz, 4096);
+
+    for (uint32_t i = 0; i < send_slots_; ++i) free_send_slots_.push_back(i);
+    slot_handlers_.resize(send_slots_);
+    for (uint32_t i = 0; i < recv_slots_; ++i)
+      if (auto st = PostRecv(i); !st.ok()) return st;
+    return absl::OkStatus();
+  }
+
+  std::string HelloBytes() const {
+    std::string out(wire::kHelloSize, '\0');
+    wire::EncodeHello({opt_.recv_depth, opt_.ctrl_depth, static_cast<uint32_t>(slot_bytes_),
+                       opt_.max_message_size},
+                      reinterpret_cast<std::byte*>(out.data()));
+    return out;
+  }
+
+  // Applies the peer's hello and starts polling. Executor only.
+  absl::Status Start(const std::string& peer_hello, std::string peer_uri) {
+    auto hello = wire::DecodeHello(
+        {reinterpret_cast<const std::byte*>(peer_hello.data()), peer_hello.size()});
+    if (!hello.ok()) return hello.status();
+    peer_uri_ = std::move(peer_uri);
+    ledger_.emplace(hello->recv_data, hello->recv_ctrl, opt_.recv_depth);
+    peer_max_message_ = hello->max_message;
+    eager_to_peer_ = std::min<size_t>(opt_.eager_limit, hello->recv_slot_bytes - wire::kHeaderSize);
+
+    int cpu = opt_.poller_cpu;
+    if (cpu < 0 && opt_.poll_mode != PollMode::kEvent) {
+      auto cpus = LocalCpus(ctx_->device());
+      cpu = cpus.empty() ? -1 : cpus[ctx_->NextPollerSlot() % cpus.size()];
+    }
+    std::weak_ptr<RdmaConnectionImpl> weak = weak_from_this();
+    auto poller = Poller::Start(opt_.poll_mode, ex_, cq_.get(), channel_.get(), cpu, opt_.adaptive_spin,
+                                [weak](std::span<const ibv_wc> wcs) {
+                                  if (auto self = weak.lock()) self->OnCompletions(wcs);
+                                });
+    if (!poller.ok()) return poller.status();
+    poller_ = std::move(*poller);
+    WatchCm();
+    RDMARPC_LOG(kInfo, "rdma", "event=established peer=", peer_uri_, " device=", ctx_->device().name(),
+                " poll=", PollModeName(opt_.poll_mode), " eager_limit=", eager_to_peer_,
+                " credits=", hello->recv_data);
+    return absl::OkStatus();
+  }
+
+  // ---- seam ------------------------------------------------------------------
+
+  const asio::any_io_executor& executor() const { return ex_; }
+  std::string peer() const { return peer_uri_; }
+  size_t max_message_size() const { return std::min<uint64_t>(opt_.max_message_size, peer_max_message_); }
+
+  absl::StatusOr<SendBuffer> Prepare(size_t size) {
+    if (!error_.ok()) return error_;
+    if (size > max_message_size())
+      return absl::InvalidArgumentError(absl::StrCat("message of ", size, " bytes exceeds the limit of ",
+                                                     max_message_size(), " bytes on this connection"));
+    if (size <= eager_to_peer_) {
+      if (free_send_slots_.size() <= kControlSlots)
+        return absl::ResourceExhaustedError(absl::StrCat(
+            "all ", send_slots_ - kControlSlots, " send slots are in use; wait for sends to complete or raise "
+            "RdmaOptions::send_depth"));
+      uint32_t slot = free_send_slots_.back();
+      free_send_slots_.pop_back();
+      return SendBuffer({SendSlot(slot) + wire::kHeaderSize, size}, this, MakeToken(kTokSendSlot, slot));
+    }
+    auto large = AllocateLarge(size, IBV_ACCESS_LOCAL_WRITE);
+    if (!large.ok()) return large.status();
+    uint64_t id = next_large_out_++;
+    std::byte* data = large->memory.get();
+    large_out_.emplace(id, LargeOut{std::move(*large), {}, 0});
+    return SendBuffer({data, size}, this, MakeToken(kTokLargeOut, id));
+  }
+
+  void Send(SendBuffer buffer, SendHandler handler) {
+    if (buffer.owner() != this) {
+      transport::PostCompletion(ex_, std::move(handler),
+                                absl::InvalidArgumentError("SendBuffer was not prepared by this connection"));
+      return;
+    }
+    const size_t size = buffer.size();
+    const uint64_t token = buffer.Detach();
+    if (!error_.ok()) {
+      Release(token);
+      transport::PostCompletion(ex_, std::move(handler), error_);
+      return;
+    }
+    if (TokenKindOf(token) == kTokSendSlot) {
+      pending_.push_back({Op::kData, static_cast<uint32_t>(TokenIndex(token)), size, 0, std::move(handler)});
+    } else {
+      auto& lo = large_out_.at(TokenIndex(token));
+      lo.handler.swap(handler);
+      lo.queued = true;
+      pending_.push_back({Op::kRts, 0, size, TokenIndex(token), {}});
+    }
+    ++stats_.messages_sent;
+    stats_.bytes_sent += size;
+    Pump();
+  }
+
+  void Receive(ReceiveHandler handler) {
+    if (!error_.ok() && ready_.empty()) {
+      transport::PostCompletion(ex_, std::move(handler), error_);
+      return;
+    }
+    const uint64_t id = next_receive_id_++;
+    auto slot = asio::get_associated_cancellation_slot(handler);
+    if (slot.is_connected()) {
+      std::weak_ptr<RdmaConnectionImpl> weak = weak_from_this();
+      slot.assign([weak, ex = ex_, id](asio::cancellation_type) {
+        asio::dispatch(ex, [weak, id] {
+          if (auto self = weak.lock()) self->CancelReceive(id);
+        });
+      });
+    }
+    receivers_.push_back({id, std::move(handler)});
+    Deliver();
+  }
+
+  void Close() {
+    if (closed_by_user_) return;
+    closed_by_user_ = true;
+    Fail(absl::CancelledError("connection closed locally"), /*log=*/false);
+  }
+
+  transport::ConnectionStats stats() const {
+    auto s = stats_;
+    s.credits_available = ledger_ ? ledger_->data_credits() : 0;
+    s.grants_live = grants_.size();
+    return s;
+  }
+
+  // Message / SendBuffer memory coming back. Executor only.
+  void Release(uint64_t token) noexcept override {
+    const uint64_t index = TokenIndex(token);
+    switch (TokenKindOf(token)) {
+      case kTokSendSlot:  // A prepared buffer dropped unsent.
+        free_send_slots_.push_back(static_cast<uint32_t>(index));
+        break;
+      case kTokLargeOut:
+        large_out_.erase(index);
+        break;
+      case kTokLargeIn:
+        large_in_.erase(index);
+        break;
+      case kTokRecvSlot:
+        if (error_.ok()) {
+          if (auto st = PostRecv(static_cast<uint32_t>(index)); !st.ok()) {
+            Fail(st);
+            return;
+          }
+          ledger_->OnReposted(false);
+          Pump();
+        }
+        break;
+    }
+  }
+
+ private:
+  enum class Op { kData, kRts, kCts, kWrite };
+  struct PendingOp {
+    Op op;
+    uint32_t slot;      // kData: the send slot holding header room + payload; kCts: the peer's cookie.
+    size_t size;        // kData: payload bytes; kRts: message bytes.
+    uint64_t id;        // kRts/kWrite: large_out_ key; kCts: large_in_ key.
+    SendHandler handler;  // kData only.
+  };
+  struct LargeOut {
+    LargeBuffer buffer;
+    SendHandler handler;
+    bool queued = false;
+    wire::Grant grant{};
+  };
+  struct LargeIn {
+    LargeBuffer buffer;
+    uint32_t grant_id = 0;
+    bool complete = false;
+  };
+  struct ReadyEntry {  // Messages in arrival order; rendezvous ones wait for their data.
+    bool large;
+    uint64_t index;  // Recv slot or large_in_ key.
+    size_t size;
+  };
+  struct PendingReceive {
+    uint64_t id;
+    ReceiveHandler handler;
+  };
+  // Owns the mmap'ed slot area.
+  class SlotMemory {
+   public:
+    SlotMemory() = default;
+    SlotMemory(std::byte* p, size_t n) : p_(p), n_(n) {}
+    SlotMemory(SlotMemory&& o) noexcept : p_(std::exchange(o.p_, nullptr)), n_(o.n_) {}
+    SlotMemory& operator=(SlotMemory&& o) noexcept {
+      std::swap(p_, o.p_);
+      std::swap(n_, o.n_);
+      return *this;
+    }
+    ~SlotMemory() {
+      if (p_) munmap(p_, n_);
+    }
+    std::byte* get() const { return p_; }
+
+   private:
+    std::byte* p_ = nullptr;
+    size_t n_ = 0;
+  };
+
+  std::byte* SendSlot(uint32_t i) const { return slots_.get() + size_t{i} * slot_bytes_; }
+  std::byte* RecvSlot(uint32_t i) const { return slots_.get() + size_t{send_slots_ + i} * slot_bytes_; }
+
+  absl::StatusOr<LargeBuffer> AllocateLarge(size_t size, int access) {
+    LargeBuffer b;
+    b.memory.reset(new (std::nothrow) std::byte[size]);
+    if (!b.memory) return absl::ResourceExhaustedError(absl::StrCat("cannot allocate ", size, " bytes"));
+    b.size = size;
+    auto mr = ctx_->device().RegisterMemory(b.memory.get(), size, access);
+    if (!mr.ok()) return mr.status();
+    b.mr = std::move(*mr);
+    return b;
+  }
+
+  absl::Status PostRecv(uint32_t slot) {
+    ibv_sge sge{reinterpret_cast<uint64_t>(RecvSlot(slot)), static_cast<uint32_t>(slot_bytes_),
+                slots_mr_->lkey};
+    ibv_recv_wr wr{};
+    wr.wr_id = MakeWrId(kWrRecv, 0, slot);
+    wr.sg_list = &sge;
+    wr.num_sge = 1;
+    ibv_recv_wr* bad = nullptr;
+    if (int rc = ibv_post_recv(ep_->qp(), &wr, &bad); rc != 0) return ErrnoStatus(rc, "ibv_post_recv");
+    ++stats_.wr_posted;
+    return absl::OkStatus();
+  }
+
+  // ---- send path -------------------------------------------------------------
+
+  // Posts one SEND of `slot` (header already there) covering `bytes`.
+  absl::Status PostSend(uint32_t slot, size_t bytes) {
+    ibv_sge sge{reinterpret_cast<uint64_t>(SendSlot(slot)), static_cast<uint32_t>(bytes), slots_mr_->lkey};
+    ibv_send_wr wr{};
+    wr.wr_id = MakeWrId(kWrSend, 1, slot);
+    wr.sg_list = &sge;
+    wr.num_sge = 1;
+    wr.opcode = IBV_WR_SEND;
+    wr.send_flags = IBV_SEND_SIGNALED | (bytes <= max_inline_ ? IBV_SEND_INLINE : 0);
+    ibv_send_wr* bad = nullptr;
+    if (int rc = ibv_post_send(ep_->qp(), &wr, &bad); rc != 0) return ErrnoStatus(rc, "ibv_post_send(SEND)");
+    ++sq_used_;
+    ++stats_.wr_posted;
+    return absl::OkStatus();
+  }
+
+  // Sends a header-only or header+grant control frame in a fresh slot.
+  absl::Status SendControl(wire::Header h, const wire::Grant* grant) {
+    uint32_t slot = free_send_slots_.back();
+    free_send_slots_.pop_back();
+    auto owed = ledger_->TakeOwed();
+    h.data_credits = owed.data;
+    h.ctrl_credits = owed.ctrl;
+    wire::EncodeHeader(h, SendSlot(slot));
+    size_t bytes = wire::kHeaderSize;
+    if (grant != nullptr) {
+      wire::EncodeGrant(*grant, SendSlot(slot) + wire::kHeaderSize);
+      bytes += wire::kGrantSize;
+    }
+    slot_handlers_[slot] = nullptr;
+    return PostSend(slot, bytes);
+  }
+
+  // Moves queued operations onto the QP while credits, SQ room and slots allow,
+  // in order; then returns credits if nothing carried them. Executor only.
+  void Pump() {
+    while (error_.ok() && !pending_.empty()) {
+      PendingOp& op = pending_.front();
+      if (!ledger_->CanSendData()) {
+        ++stats_.send_waits_for_credit;
+        break;
+      }
+      absl::Status st;
+      if (op.op == Op::kData) {
+        if (sq_used_ >= opt_.send_depth) break;
+        ledger_->ConsumeData();
+        auto owed = ledger_->TakeOwed();
+        wire::EncodeHeader({wire::Type::kData, owed.data, owed.ctrl, static_cast<uint32_t>(op.size), 0},
+                           SendSlot(op.slot));
+        slot_handlers_[op.slot].swap(op.handler);  // Never move-assign: see kNoHandlerAssign.
+        stats_.eager_bytes += op.size;
+        st = PostSend(op.slot, wire::kHeaderSize + op.size);
+      } else if (op.op == Op::kRts || op.op == Op::kCts) {
+        if (sq_used_ >= opt_.send_depth || free_send_slots_.empty()) break;
+        ledger_->ConsumeData();
+        if (op.op == Op::kRts) {
+          st = SendControl({wire::Type::kRts, 0, 0, static_cast<uint32_t>(op.size), static_cast<uint32_t>(op.id)}, nullptr);
+        } else {
+          LargeIn& in = large_in_.at(op.id);
+          wire::Grant g{reinterpret_cast<uint64_t>(in.buffer.memory.get()), in.buffer.mr->rkey, in.grant_id};
+          st = SendControl({wire::Type::kCts, 0, 0, static_cast<uint32_t>(in.buffer.size), op.slot}, &g);
+        }
+      } else {  // kWrite
+        LargeOut& out = large_out_.at(op.id);
+        const size_t chunks = (out.buffer.size + max_write_chunk_ - 1) / max_write_chunk_;
+        if (chunks > 255) {
+          st = absl::InvalidArgumentError("message needs more than 255 RDMA WRITE chunks");
+        } else if (sq_used_ + chunks > opt_.send_depth) {
+          if (chunks > opt_.send_depth)
+            st = absl::InvalidArgumentError(absl::StrCat("message needs ", chunks,
+                                                         " WRITE chunks; send_depth is ", opt_.send_depth));
+          else
+            break;
+        } else {
+          ledger_->ConsumeData();  // WRITE_WITH_IMM consumes one of the peer's RECVs.
+          st = PostWrites(op.id, out, chunks);
+        }
+      }
+      pending_.pop_front();
+      if (!st.ok()) {
+        Fail(st);
+        return;
+      }
+    }
+    MaybeReturnCredits();
+  }
+
+  absl::Status PostWrites(uint64_t id, LargeOut& out, size_t chunks) {
+    std::vector<ibv_sge> sges(chunks);
+    std::vector<ibv_send_wr> wrs(chunks);
+    for (size_t i = 0; i < chunks; ++i) {
+      const size_t off = i * max_write_chunk_;
+      const size_t len = std::min(max_write_chunk_, out.buffer.size - off);
+      sges[i] = {reinterpret_cast<uint64_t>(out.buffer.memory.get() + off), static_cast<uint32_t>(len),
+                 out.buffer.mr->lkey};
+      ibv_send_wr& wr = wrs[i];
+      wr.sg_list = &sges[i];
+      wr.num_sge = 1;
+      wr.wr.rdma.remote_addr = out.grant.addr + off;
+      wr.wr.rdma.rkey = out.grant.rkey;
+      const bool last = i + 1 == chunks;
+      // Only the last is signalled: RC completes WRs in order, so its
+      // completion retires (and frees the SQ slots of) all the chunks.
+      wr.opcode = last ? IBV_WR_RDMA_WRITE_WITH_IMM : IBV_WR_RDMA_WRITE;
+      wr.send_flags = last ? IBV_SEND_SIGNALED : 0;
+      if (last) {
+        wr.imm_data = htonl(out.grant.grant_id);
+        wr.wr_id = MakeWrId(kWrWrite, chunks, id);
+      }
+      wr.next = last ? nullptr : &wrs[i + 1];
+    }
+    ibv_send_wr* bad = nullptr;
+    if (int rc = ibv_post_send(ep_->qp(), wrs.data(), &bad); rc != 0)
+      return ErrnoStatus(rc, "ibv_post_send(RDMA WRITE)");
+    sq_used_ += chunks;
+    stats_.wr_posted += chunks;
+    stats_.rendezvous_bytes += out.buffer.size;
+    return absl::OkStatus();
+  }
+
+  void MaybeReturnCredits() {
+    const bool blocked = !pending_.empty() && !ledger_->CanSendData();
+    while (error_.ok() && ledger_->WantsCreditFrame(blocked) && sq_used_ < opt_.send_depth &&
+           !free_send_slots_.empty()) {
+      ledger_->ConsumeCtrl();
+      ++stats_.credit_frames_sent;
+      if (auto st = SendControl({wire::Type::kCredit, 0, 0, 0, 0}, nullptr); !st.ok()) {
+        Fail(st);
+        return;
+      }
+      if (blocked) break;  // One per blocked spell.
+    }
+  }
+
+  // ---- receive path ------------------------------------------------------------
+
+  void OnRecv(const ibv_wc& wc) {
+    const uint32_t slot = static_cast<uint32_t>(WrIndex(wc.wr_id));
+    if (wc.opcode == IBV_WC_RECV_RDMA_WITH_IMM) {
+      OnWriteArrived(ntohl(wc.imm_data), slot);
+      return;
+    }
+    auto h = wire::DecodeHeader({RecvSlot(slot), wc.byte_len});
+    if (!h.ok()) {
+      Fail(absl::DataLossError(absl::StrCat("malformed frame from ", peer_uri_, ": ", h.status().message())));
+      return;
+    }
+    if (auto st = ledger_->OnReturned(h->data_credits, h->ctrl_credits); !st.ok()) {
+      Fail(st);
+      return;
+    }
+    switch (h->type) {
+      case wire::Type::kCredit:
+        // Its RECV goes back at once (credits.h explains why).
+        if (auto st = PostRecv(slot); !st.ok()) return Fail(st);
+        ledger_->OnReposted(true);
+        break;
+      case wire::Type::kData:
+        ready_.push_back({false, slot, h->length});
+        ++stats_.messages_received;
+        stats_.bytes_received += h->length;
+        Deliver();
+        break;
+      case wire::Type::kRts:
+        RepostAfterControl(slot);
+        OnRts(*h);
+        break;
+      case wire::Type::kCts:
+        OnCts(*h, slot);
+        break;
+    }
+    Pump();
+  }
+
+  void RepostAfterControl(uint32_t slot) {
+    if (auto st = PostRecv(slot); !st.ok()) return Fail(st);
+    ledger_->OnReposted(false);
+  }
+
+  void OnRts(const wire::Header& h) {
+    if (h.length > opt_.max_message_size) {
+      Fail(absl::ResourceExhaustedError(absl::StrCat("peer announced a ", h.length,
+                                                     "-byte message; the limit is ", opt_.max_message_size)));
+      return;
+    }
+    auto buf = AllocateLarge(h.length, IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE);
+    if (!buf.ok()) {
+      Fail(buf.status());
+      return;
+    }
+    const uint64_t id = next_large_in_++;
+    // Grant ids are never reused on a connection (2^32 grants), so a stale or
+    // guessed id cannot name a live grant by accident.
+    const uint32_t grant_id = next_grant_id_++;
+    large_in_.emplace(id, LargeIn{std::move(*buf), grant_id, false});
+    grants_.emplace(grant_id, id);
+    ready_.push_back({true, id, h.length});
+    pending_.push_back({Op::kCts, h.cookie, 0, id, {}});
+  }
+
+  void OnCts(const wire::Header& h, uint32_t slot) {
+    auto g = wire::DecodeGrant({RecvSlot(slot) + wire::kHeaderSize, wire::kGrantSize});
+    RepostAfterControl(slot);
+    auto it = large_out_.find(h.cookie);
+    if (!g.ok() || it == large_out_.end() || !it->second.queued || it->second.buffer.size != h.length) {
+      Fail(absl::DataLossError(absl::StrCat("peer granted ", h.length, " bytes for unknown message #", h.cookie)));
+      return;
+    }
+    it->second.grant = *g;
+    pending_.push_back({Op::kWrite, 0, 0, h.cookie, {}});
+  }
+
+  void OnWriteArrived(uint32_t grant_id, uint32_t slot) {
+    auto git = grants_.find(grant_id);
+    if (git == grants_.end()) {
+      Fail(absl::PermissionDeniedError(absl::StrCat("peer completed a write for grant ", grant_id,
+                                                    " that is not live")));
+      return;
+    }
+    LargeIn& in = large_in_.at(git->second);
+    // Revoke: deregistering kills the rkey before anyone reads the data.
+    in.buffer.mr.reset();
+    in.complete = true;
+    grants_.erase(git);
+    RepostAfterControl(slot);
+    ++stats_.messages_received;
+    stats_.bytes_received += in.buffer.size;
+    Deliver();
+  }
+
+  // Hands ready messages, in arrival order, to waiting receivers.
+  void Deliver() {
+    while (!ready_.empty() && !receivers_.empty()) {
+      ReadyEntry e = ready_.front();
+      Message msg;
+      if (e.large) {
+        LargeIn& in = large_in_.at(e.index);
+        if (!in.complete) break;
+        msg = Message({in.buffer.memory.get(), e.size}, this, MakeToken(kTokLargeIn, e.index));
+      } else {
+        msg = Message({RecvSlot(static_cast<uint32_t>(e.index)) + wire::kHeaderSize, e.size}, this,
+                      MakeToken(kTokRecvSlot, e.index));
+      }
+      ready_.pop_front();
+      PendingReceive r = std::move(receivers_.front());
+      receivers_.pop_front();
+      auto slot = asio::get_associated_cancellation_slot(r.handler);
+      if (slot.is_connected()) slot.clear();
+      transport::PostCompletion(ex_, std::move(r.handler), absl::StatusOr<Message>(std::move(msg)));
+    }
+    if (!error_.ok() && ready_.empty()) FailReceivers();
+  }
+
+  void CancelReceive(uint64_t id) {
+    for (auto it = receivers_.begin(); it != receivers_.end(); ++it) {
+      if (it->id != id) continue;
+      ReceiveHandler h = std::move(it->handler);
+      receivers_.erase(it);
+      auto slot = asio::get_associated_cancellation_slot(h);
+      if (slot.is_connected()) slot.clear();
+      transport::PostCompletion(ex_, std::move(h),
+                                absl::StatusOr<Message>(absl::CancelledError("receive cancelled")));
+      return;
+    }
+  }
+
+  // ---- completions -------------------------------------------------------------
+
+  void OnCompletions(std::span<const ibv_wc> wcs) {
+    for (const ibv_wc& wc : wcs) {
+      ++stats_.wr_completed;
+      if (wc.status != IBV_WC_SUCCESS) {
+        if (wc.status == IBV_WC_RNR_RETRY_EXC_ERR) ++stats_.rnr_errors;
+        if (wc.status != IBV_WC_WR_FLUSH_ERR) ++stats_.wc_errors;
+        if (error_.ok()) {
+          RDMARPC_LOG(kWarn, "rdma", "event=wc_error peer=", peer_uri_, " status=", ibv_wc_status_str(wc.status),
+                      " vendor_err=", wc.vendor_err);
+          Fail(WcStatusToStatus(wc.status, wc.vendor_err, absl::StrCat("connection to ", peer_uri_)));
+        }
+        continue;
+      }
+      if (!error_.ok()) continue;
+      switch (WrKindOf(wc.wr_id)) {
+        case kWrRecv:
+          OnRecv(wc);
+          break;
+        case kWrSend: {
+          sq_used_ -= WrCovered(wc.wr_id);
+          const uint32_t slot = static_cast<uint32_t>(WrIndex(wc.wr_id));
+          free_send_slots_.push_back(slot);
+          if (slot_handlers_[slot]) transport::PostCompletion(ex_, std::move(slot_handlers_[slot]), absl::OkStatus());
+          Pump();
+          break;
+        }
+        case kWrWrite: {
+          sq_used_ -= WrCovered(wc.wr_id);
+          auto it = large_out_.find(WrIndex(wc.wr_id));
+          if (it != large_out_.end()) {
+            SendHandler h = std::move(it->second.handler);
+            large_out_.erase(it);
+            transport::PostCompletion(ex_, std::move(h), absl::OkStatus());
+          }
+          Pump();
+          break;
+        }
+      }
+    }
+  }
+
+  // ---- failure and close -------------------------------------------------------
+
+  // First error wins; everything pending completes with it, the peer is told.
+  void Fail(absl::Status st, bool log = true) {
+    if (!error_.ok()) return;
+    if (st.ok()) st = absl::InternalError("Fail(OK)");
+    error_ = st;
+    if (log) RDMARPC_LOG(kWarn, "rdma", "event=connection_failed peer=", peer_uri_, " status=\"", st.ToString(), "\"");
+    // In-flight sends: their WRs will flush; complete them now with the error.
+    for (auto& h : slot_handlers_)
+      if (h) transport::PostCompletion(ex_, std::move(h), error_);
+    for (auto& [id, lo] : large_out_)
+      if (lo.handler) transport::PostCompletion(ex_, std::move(lo.handler), error_);
+    for (auto& op : pending_)
+      if (op.handler) transport::PostCompletion(ex_, std::move(op.handler), error_);
+    pending_.clear();
+    grants_.clear();
+    FailReceivers();
+    if (ep_) ep_->Disconnect();
+    if (ep_) ep_->Cancel();
+    if (poller_) poller_->Stop();
+  }
+
+  void FailReceivers() {
+    while (!receivers_.empty()) {
+      ReceiveHandler h = std::move(receivers_.front().handler);
+      receivers_.pop_front();
+      auto slot = asio::get_associated_cancellation_slot(h);
+      if (slot.is_connected()) slot.clear();
+      transport::PostCompletion(ex_, std::move(h), absl::StatusOr<Message>(error_));
+    }
+  }
+
+  // Watches CM events after establishment: the peer leaving, device removal.
+  void WatchCm() {
+    asio::co_spawn(ex_, [self = shared_from_this()]() -> asio::awaitable<void> {
+      for (;;) {
+        auto ev = co_await self->ep_->NextEvent();
+        if (!ev.ok()) co_return;  // Cancelled by Fail/Close.
+        const auto type = (*ev)->event;
+        if (type == RDMA_CM_EVENT_DISCONNECTED || type == RDMA_CM_EVENT_DEVICE_REMOVAL ||
+            type == RDMA_CM_EVENT_TIMEWAIT_EXIT) {
+          RDMARPC_LOG(kInfo, "rdma", "event=cm peer=", self->peer_uri_, " cm_event=", DescribeCmEvent(**ev));
+          ev = absl::StatusOr<CmEventPtr>();  // Ack before tearing down.
+          self->Fail(absl::UnavailableError(absl::StrCat(
+                         "connection to ", self->peer_uri_,
+                         type == RDMA_CM_EVENT_DEVICE_REMOVAL ? " lost: RDMA device removed" : " closed by the peer")),
+                     type != RDMA_CM_EVENT_DISCONNECTED);
+          co_return;
+        }
+      }
+    }, asio::detached);
+  }
+
+  asio::any_io_executor ex_;
+  std::shared_ptr<RdmaContext> ctx_;
+  RdmaOptions opt_;
+  // Verbs resources, in construction order (destroyed in reverse: QP first).
+  SlotMemory slots_;
+  MrPtr slots_mr_;
+  CompChannelPtr channel_;
+  CqPtr cq_;
+  std::unique_ptr<CmEndpoint> ep_;
+  std::unique_ptr<Poller> poller_;  // Stopped before the CQ goes.
+
+  size_t slot_bytes_ = 0;
+  uint32_t send_slots_ = 0, recv_slots_ = 0;
+  uint32_t max_inline_ = 0;
+  size_t max_write_chunk_ = 0;
+  size_t eager_to_peer_ = 0;
+  uint64_t peer_max_message_ = 0;
+  std::string peer_uri_;
+
+  std::optional<CreditLedger> ledger_;
+  uint32_t sq_used_ = 0;
+  std::vector<uint32_t> free_send_slots_;
+  std::vector<SendHandler> slot_handlers_;  // By send slot: whom to tell when its SEND completes.
+  std::deque<PendingOp> pending_;
+  std::map<uint64_t, LargeOut> large_out_;
+  std::map<uint64_t, LargeIn> large_in_;
+  std::map<uint32_t, uint64_t> grants_;  // Live grant id -> large_in_ key.
+  uint64_t next_large_out_ = 1, next_large_in_ = 1;
+  uint32_t next_grant_id_ = 1;
+  std::deque<ReadyEntry> ready_;
+  std::list<PendingReceive> receivers_;  // list: erase must not move-assign handlers.
+  uint64_t next_receive_id_ = 1;
+  absl::Status error_;
+  bool closed_by_user_ = false;
+  transport::ConnectionStats stats_;
+};
+
+}  // namespace rdmarpc::rdma
+
+// ---- public surface ------------------------------------------------------------
+
+namespace rdmarpc::rdma {
+namespace {
+
+class RdmaConnection final : public transport::Connection {
+ public:
+  explicit RdmaConnection(std::shared_ptr<RdmaConnectionImpl> impl) : impl_(std::move(impl)) {}
+  ~RdmaConnection() override { impl_->Close(); }
+
+  asio::any_io_executor get_executor() const override { return impl_->executor(); }
+  size_t max_message_size() const override { return impl_->max_message_size(); }
+  std::string peer() const override { return impl_->peer(); }
+  absl::StatusOr<transport::SendBuffer> Prepare(size_t size) override { return impl_->Prepare(size); }
+  void Send(transport::SendBuffer buffer, transport::SendHandler handler) override {
+    impl_->Send(std::move(buffer), std::move(handler));
+  }
+  void Receive(transport::ReceiveHandler handler) override { impl_->Receive(std::move(handler)); }
+  void Close() override { impl_->Close(); }
+  transport::ConnectionStats stats() const override { return impl_->stats(); }
+
+ private:
+  std::shared_ptr<RdmaConnectionImpl> impl_;
+};
+
+std::string UriOf(rdma_cm_id* id, bool peer) {
+  sockaddr* sa = peer ? rdma_get_peer_addr(id) : rdma_get_local_addr(id);
+  char host[INET6_ADDRSTRLEN] = "?";
+  uint16_t port = 0;
+  if (sa->sa_family == AF_INET) {
+    auto* in = reinterpret_cast<sockaddr_in*>(sa);
+    inet_ntop(AF_INET, &in->sin_addr, host, sizeof host);
+    port = ntohs(in->sin_port);
+    return absl::StrCat("rdma://", host, ":", port);
+  }
+  auto* in6 = reinterpret_cast<sockaddr_in6*>(sa);
+  inet_ntop(AF_INET6, &in6->sin6_addr, host, sizeof host);
+  return absl::StrCat("rdma://[", host, "]:", ntohs(in6->sin6_port));
+}
+
+// Adapts a setup coroutine's (exception_ptr, result) completion to the
+// seam's handler, completing through the handler's associated executor.
+auto Finish(asio::any_io_executor ex, transport::Listener::AcceptHandler handler) {
+  return [ex, h = std::move(handler)](std::exception_ptr e,
+                                      absl::StatusOr<std::unique_ptr<transport::Connection>> r) mutable {
+    if (e) r = absl::InternalError("connection setup threw an exception");
+    transport::PostCompletion(ex, std::move(h), std::move(r));
+  };
+}
+
+absl::Status CheckDevice(const RdmaContext& ctx, const CmEndpoint& ep) {
+  if (ep.verbs() == nullptr || ep.verbs()->device != ctx.device().context()->device)
+    return absl::FailedPreconditionError(absl::StrCat(
+        "the peer is reached through RDMA device ",
+        ep.verbs() ? ibv_get_device_name(ep.verbs()->device) : "(none)", " but this context uses ",
+        ctx.device().name(), "; open an RdmaContext for that device or fix the routing"));
+  return absl::OkStatus();
+}
+
+class RdmaListener final : public transport::Listener {
+ public:
+  RdmaListener(asio::any_io_executor ex, std::shared_ptr<RdmaContext> ctx, RdmaOptions opt,
+               std::unique_ptr<CmListener> cm, std::string host)
+      : ex_(std::move(ex)), ctx_(std::move(ctx)), opt_(opt), cm_(std::move(cm)), host_(std::move(host)) {}
+
+  void Accept(AcceptHandler handler) override {
+    asio::co_spawn(ex_, AcceptOne(), Finish(ex_, std::move(handler)));
+  }
+  std::string local_uri() const override {
+    const bool v6 = host_.find(':') != std::string::npos;
+    return absl::StrCat("rdma://", v6 ? "[" : "", host_, v6 ? "]" : "", ":", cm_->port());
+  }
+  void Close() override { cm_->Cancel(); }
+
+ private:
+  // One connection request to a running connection; a request that fails
+  // setup is rejected and reported (the listener keeps going).
+  asio::awaitable<absl::StatusOr<std::unique_ptr<transport::Connection>>> AcceptOne() {
+    auto ep = co_await cm_->Accept();
+    if (!ep.ok()) co_return ep.status();
+    if (auto st = CheckDevice(*ctx_, **ep); !st.ok()) {
+      (void)(*ep)->Reject(st.message());
+      co_return st;
+    }
+    std::string peer_hello = (*ep)->peer_private_data();
+    std::string peer_uri = UriOf((*ep)->id(), true);
+    auto impl = std::make_shared<RdmaConnectionImpl>(ex_, ctx_, opt_);
+    CmEndpoint* raw = ep->get();
+    if (auto st = impl->Init(std::move(*ep)); !st.ok()) {
+      (void)raw->Reject(st.message());
+      co_return st;
+    }
+    if (auto st = wire::DecodeHello({reinterpret_cast<const std::byte*>(peer_hello.data()), peer_hello.size()});
+        !st.ok()) {
+      (void)raw->Reject(st.status().message());
+      co_return st.status();
+    }
+    if (auto st = co_await raw->Accept(impl->HelloBytes()); !st.ok()) co_return st;
+    if (auto st = impl->Start(peer_hello, peer_uri); !st.ok()) co_return st;
+    co_return std::unique_ptr<transport::Connection>(new RdmaConnection(std::move(impl)));
+  }
+
+  asio::any_io_executor ex_;
+  std::shared_ptr<RdmaContext> ctx_;
+  RdmaOptions opt_;
+  std::unique_ptr<CmListener> cm_;
+  std::string host_;
+};
+
+asio::awaitable<absl::StatusOr<std::unique_ptr<transport::Connection>>> ConnectImpl(
+    asio::any_io_executor ex, std::shared_ptr<RdmaContext> ctx, std::string host, uint16_t port,
+    RdmaOptions opt) {
+  auto ep = co_await CmEndpoint::Resolve(ex, host, port, opt.cm);
+  if (!ep.ok()) co_return ep.status();
+  if (auto st = CheckDevice(*ctx, **ep); !st.ok()) co_return st;
+  std::string peer_uri = UriOf((*ep)->id(), true);
+  auto impl = std::make_shared<RdmaConnectionImpl>(ex, ctx, opt);
+  CmEndpoint* raw = ep->get();
+  if (auto st = impl->Init(std::move(*ep)); !st.ok()) co_return st;
+  if (auto st = co_await raw->Connect(impl->HelloBytes()); !st.ok()) co_return st;
+  if (auto st = impl->Start(raw->peer_private_data(), peer_uri); !st.ok()) co_return st;
+  co_return std::unique_ptr<transport::Connection>(new RdmaConnection(std::move(impl)));
+}
+
+}  // namespace
+
+absl::StatusOr<PollMode> ParsePollMode(absl::string_view name) {
+  if (name == "event") return PollMode::kEvent;
+  if (name == "adaptive") return PollMode::kAdaptive;
+  if (name == "busy") return PollMode::kBusy;
+  return absl::InvalidArgumentError(absl::StrCat("unknown poll mode '", name, "' (busy|adaptive|event)"));
+}
+
+const char* PollModeName(PollMode mode) {
+  switch (mode) {
+    case PollMode::kEvent: return "event";
+    case PollMode::kAdaptive: return "adaptive";
+    case PollMode::kBusy: return "busy";
+  }
+  return "?";
+}
+
+absl::StatusOr<std::shared_ptr<RdmaContext>> RdmaContext::Open(const DeviceSelector& selector) {
+  auto dev = Device::Open(selector);
+  if (!dev.ok()) return dev.status();
+  return std::shared_ptr<RdmaContext>(new RdmaContext(std::move(*dev)));
+}
+
+absl::StatusOr<std::unique_ptr<transport::Listener>> Listen(asio::any_io_executor ex,
+                                                            std::shared_ptr<RdmaContext> context,
+                                                            const std::string& host, uint16_t port,
+                                                            RdmaOptions options) {
+  auto cm = CmListener::Listen(ex, host, port, options.cm);
+  if (!cm.ok()) return cm.status();
+  return std::unique_ptr<transport::Listener>(
+      new RdmaListener(std::move(ex), std::move(context), options, std::move(*cm), host));
+}
+
+void Connect(asio::any_io_executor ex, std::shared_ptr<RdmaContext> context, const std::string& host,
+             uint16_t port, RdmaOptions options, transport::Listener::AcceptHandler handler) {
+  asio::co_spawn(ex, ConnectImpl(ex, std::move(context), host, port, options), Finish(ex, std::move(handler)));
+}
+
+}  // namespace rdmarpc::rdma

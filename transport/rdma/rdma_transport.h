@@ -1,0 +1,106 @@
+// The RDMA backend of the transport seam (transport/transport.h).
+//
+// One RC queue pair per connection, set up through rdma_cm on Asio. Messages
+// up to the eager limit travel in one SEND (inline when the device allows)
+// into a pre-posted, registered receive slot; larger ones by rendezvous: RTS,
+// the receiver grants a buffer registered for REMOTE_WRITE of exactly that
+// message (CTS), the sender RDMA WRITEs it (WRITE_WITH_IMM on the last chunk,
+// imm = grant id), and the receiver deregisters the grant -- revoking the
+// rkey -- before delivering the message. Credit-based flow control
+// (credits.h) means no SEND is posted without a RECV waiting for it.
+//
+// Threading: each connection lives on the executor it was made with (use a
+// strand if the io_context runs on several threads). Completions are
+// harvested by the connection's poller (PollMode) and processed on that
+// executor. Message/SendBuffer objects must be released on that executor.
+#pragma once
+
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "transport/rdma/cm.h"
+#include "transport/rdma/verbs.h"
+#include "transport/transport.h"
+
+namespace rdmarpc::rdma {
+
+enum class PollMode {
+  // The completion channel's fd sits in the Asio reactor: no extra thread,
+  // a syscall and a wake-up per batch. The default: it costs no core.
+  kEvent,
+  // A poller thread spins for `adaptive_spin`, then arms the CQ and sleeps on
+  // the completion channel. Low latency under load, no burnt core when idle.
+  kAdaptive,
+  // A poller thread pinned to one core drains the CQ forever: lowest latency,
+  // one core per connection.
+  kBusy,
+};
+
+absl::StatusOr<PollMode> ParsePollMode(absl::string_view name);  // "busy|adaptive|event"
+const char* PollModeName(PollMode mode);
+
+struct RdmaOptions {
+  PollMode poll_mode = PollMode::kEvent;
+  // Core for busy/adaptive pollers; -1 = a core on the device's NUMA node
+  // (any allowed core when the node is unknown, as on Soft-RoCE).
+  int poller_cpu = -1;
+  // How long an adaptive poller spins before sleeping: about one small-message
+  // round trip on a real NIC, so a ping-pong never sleeps.
+  std::chrono::microseconds adaptive_spin{50};
+  // RECVs kept posted for data frames: the peer's send window. 64 x 4 KiB
+  // slots = 256 KiB registered per connection, enough to cover the
+  // bandwidth-delay product of 100 Gb/s x 20 us.
+  uint16_t recv_depth = 64;
+  // RECVs for CREDIT frames (credits.h): 2 keeps one in flight while the
+  // other is being returned.
+  uint16_t ctrl_depth = 2;
+  // Send WRs outstanding on the QP at most (SQ depth), and send slots.
+  uint16_t send_depth = 64;
+  // Largest payload sent eagerly (one SEND). Above it, rendezvous. 4 KiB is
+  // one RoCE MTU: beyond that a copy costs more than the RTS/CTS round trip
+  // saves on real NICs. Clamped to what the peer's receive slots hold.
+  size_t eager_limit = 4096;
+  // Largest message accepted in either direction.
+  size_t max_message_size = size_t{256} << 20;
+  CmOptions cm;
+};
+
+// What a process needs to use one RDMA device: the opened device and its PD.
+// Shared by the connections and listeners made from it; not a global.
+class RdmaContext {
+ public:
+  static absl::StatusOr<std::shared_ptr<RdmaContext>> Open(const DeviceSelector& selector);
+  const Device& device() const { return device_; }
+  // Spreads pollers of successive connections over the local cores.
+  unsigned NextPollerSlot() { return next_poller_slot_.fetch_add(1, std::memory_order_relaxed); }
+
+ private:
+  explicit RdmaContext(Device device) : device_(std::move(device)) {}
+  Device device_;
+  std::atomic<unsigned> next_poller_slot_{0};
+};
+
+// Listens on host:port (port 0: any). local_uri() is "rdma://host:port".
+absl::StatusOr<std::unique_ptr<transport::Listener>> Listen(asio::any_io_executor ex,
+                                                            std::shared_ptr<RdmaContext> context,
+                                                            const std::string& host, uint16_t port,
+                                                            RdmaOptions options = {});
+
+// Connects to host:port. The peer must be reachable through the context's
+// device (else FAILED_PRECONDITION naming both devices).
+void Connect(asio::any_io_executor ex, std::shared_ptr<RdmaContext> context, const std::string& host,
+             uint16_t port, RdmaOptions options, transport::Listener::AcceptHandler handler);
+
+template <typename Token>
+auto AsyncConnect(asio::any_io_executor ex, std::shared_ptr<RdmaContext> context, std::string host,
+                  uint16_t port, RdmaOptions options, Token&& token) {
+  return asio::async_initiate<Token, void(absl::StatusOr<std::unique_ptr<transport::Connection>>)>(
+      [](auto handler, asio::any_io_executor e, std::shared_ptr<RdmaContext> c, std::string h,
+         uint16_t p, RdmaOptions o) { Connect(std::move(e), std::move(c), h, p, o, std::move(handler)); },
+      token, std::move(ex), std::move(context), std::move(host), port, options);
+}
+
+}  // namespace rdmarpc::rdma
