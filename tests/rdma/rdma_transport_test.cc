@@ -228,6 +228,15 @@ std::map<std::string, int> ResourceCounts(const std::string& dev) {
 TEST(RdmaTransportTeardown, PeerClosingMidStreamFailsPendingWorkAndFreesEverything) {
   auto ctx = OpenContext();
   ASSERT_TRUE(ctx);
+  {
+    // librdmacm allocates a PD per device on first use and keeps it for the
+    // process: one connect/close cycle first, so the baseline includes it.
+    asio::io_context io;
+    Pair warm = ConnectPair(io, ctx, {});
+    ASSERT_TRUE(warm.client && warm.server);
+    warm = {};
+    io.run_for(std::chrono::milliseconds(200));
+  }
   const auto baseline = ResourceCounts(ctx->device().name());
   ASSERT_FALSE(baseline.empty()) << "`rdma res show` lists nothing for " << ctx->device().name();
   {
@@ -237,12 +246,13 @@ TEST(RdmaTransportTeardown, PeerClosingMidStreamFailsPendingWorkAndFreesEverythi
     EXPECT_GT(ResourceCounts(ctx->device().name())["qp"], baseline.at("qp"));
     // The client keeps sending (small and large) and keeps one receive
     // pending; the server goes away mid-stream.
-    int failed_sends = 0, ok_sends = 0;
+    int failed_sends = 0, ok_sends = 0, started = 0;
     absl::Status receive_status = absl::UnknownError("pending");
     p.client->Receive([&](absl::StatusOr<Message> m) { receive_status = m.status(); });
     for (int i = 0; i < 200; ++i) {
       auto buf = p.client->Prepare(i % 10 == 0 ? 100000 : 100);
-      if (!buf.ok()) break;
+      if (!buf.ok()) break;  // All send slots busy: that is backpressure, not failure.
+      ++started;
       p.client->Send(std::move(*buf), [&](absl::Status st) { st.ok() ? ++ok_sends : ++failed_sends; });
     }
     io.run_for(std::chrono::milliseconds(50));
@@ -252,7 +262,8 @@ TEST(RdmaTransportTeardown, PeerClosingMidStreamFailsPendingWorkAndFreesEverythi
       io.run_one_for(std::chrono::milliseconds(100));
     io.run_for(std::chrono::milliseconds(200));
     EXPECT_EQ(receive_status.code(), absl::StatusCode::kUnavailable) << receive_status;
-    EXPECT_EQ(ok_sends + failed_sends, 200) << "every send completes exactly once";
+    EXPECT_GE(started, 64);
+    EXPECT_EQ(ok_sends + failed_sends, started) << "every send completes exactly once";
     auto again = p.client->Prepare(10);
     EXPECT_FALSE(again.ok());
     p = {};

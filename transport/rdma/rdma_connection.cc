@@ -408,9 +408,11 @@ class RdmaConnectionImpl final : public std::enable_shared_from_this<RdmaConnect
     while (error_.ok() && !pending_.empty()) {
       PendingOp& op = pending_.front();
       if (!ledger_->CanSendData()) {
-        ++stats_.send_waits_for_credit;
+        if (!waiting_for_credit_) ++stats_.send_waits_for_credit;  // Count spells, not retries.
+        waiting_for_credit_ = true;
         break;
       }
+      waiting_for_credit_ = false;
       absl::Status st;
       if (op.op == Op::kData) {
         if (sq_used_ >= opt_.send_depth) break;
@@ -753,6 +755,7 @@ class RdmaConnectionImpl final : public std::enable_shared_from_this<RdmaConnect
 
   std::optional<CreditLedger> ledger_;
   uint32_t sq_used_ = 0;
+  bool waiting_for_credit_ = false;
   std::vector<uint32_t> free_send_slots_;
   std::vector<SendHandler> slot_handlers_;  // By send slot: whom to tell when its SEND completes.
   std::deque<PendingOp> pending_;
