@@ -1,0 +1,366 @@
+// Raw transport benchmark: message latency (ping-pong) and bandwidth
+// (windowed one-way stream) over the transport seam, for each transport, side
+// by side in one run, optionally next to perftest's ib_send_lat/ib_write_bw on
+// the same device. Prints; asserts nothing.
+//
+//   transport_bench [--transport=rdma,tcp] [--sizes=64,4096,65536,1048576]
+//                   [--iters=N] [--window=N] [--poll=event|adaptive|busy]
+//                   [--device=NAME] [--ip=ADDR] [--with-perftest] [--phase-ms=3000]
+//
+// Client and server run in one process on two threads, each with its own
+// io_context, so neither side's processing hides in the other's.
+#include <boost/asio/io_context.hpp>
+#include <boost/asio/executor_work_guard.hpp>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <functional>
+#include <future>
+#include <regex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "transport/rdma/rdma_transport.h"
+#include "transport/tcp/tcp_transport.h"
+
+namespace asio = boost::asio;
+using Clock = std::chrono::steady_clock;
+using rdmarpc::transport::Connection;
+using rdmarpc::transport::Listener;
+using rdmarpc::transport::Message;
+
+namespace {
+
+struct Flags {
+  std::vector<std::string> transports = {"rdma", "tcp"};
+  std::vector<size_t> sizes = {64, 4096, 65536, 1 << 20};
+  int iters = 2000;
+  int window = 16;
+  rdmarpc::rdma::PollMode poll = rdmarpc::rdma::PollMode::kEvent;
+  std::string device, ip;
+  bool perftest = false;
+  // Upper bound on each latency and bandwidth phase: under emulation a fixed
+  // count can take minutes.
+  std::chrono::milliseconds phase{3000};
+};
+
+[[noreturn]] void Usage(const std::string& why) {
+  std::fprintf(stderr,
+               "transport_bench: %s\nusage: transport_bench [--transport=rdma,tcp] [--sizes=64,4096,...] "
+               "[--iters=N] [--window=N] [--poll=event|adaptive|busy] [--device=NAME] [--ip=ADDR] "
+               "[--with-perftest]\n",
+               why.c_str());
+  std::exit(2);
+}
+
+Flags Parse(int argc, char** argv) {
+  Flags f;
+  if (const char* d = std::getenv("RXE_VM_DEV")) f.device = d;
+  if (const char* ip = std::getenv("RXE_VM_SELF_IP")) f.ip = ip;
+  for (int i = 1; i < argc; ++i) {
+    std::string a = argv[i];
+    auto eq = a.find('=');
+    std::string key = a.substr(0, eq), val = eq == std::string::npos ? "" : a.substr(eq + 1);
+    if (key == "--transport") {
+      f.transports = absl::StrSplit(val, ',', absl::SkipEmpty());
+      for (auto& t : f.transports)
+        if (t != "rdma" && t != "tcp") Usage("--transport takes rdma,tcp");
+    } else if (key == "--sizes") {
+      f.sizes.clear();
+      for (auto s : absl::StrSplit(val, ',', absl::SkipEmpty())) {
+        size_t v = 0;
+        if (!absl::SimpleAtoi(s, &v) || v > (size_t{64} << 20)) Usage("bad --sizes value '" + std::string(s) + "'");
+        f.sizes.push_back(v);
+      }
+    } else if (key == "--iters") {
+      if (!absl::SimpleAtoi(val, &f.iters) || f.iters <= 0) Usage("--iters needs a positive integer");
+    } else if (key == "--window") {
+      if (!absl::SimpleAtoi(val, &f.window) || f.window <= 0 || f.window > 60) Usage("--window takes 1..60");
+    } else if (key == "--poll") {
+      auto m = rdmarpc::rdma::ParsePollMode(val);
+      if (!m.ok()) Usage(std::string(m.status().message()));
+      f.poll = *m;
+    } else if (key == "--phase-ms") {
+      int ms = 0;
+      if (!absl::SimpleAtoi(val, &ms) || ms <= 0) Usage("--phase-ms needs a positive integer");
+      f.phase = std::chrono::milliseconds(ms);
+    } else if (key == "--device") {
+      f.device = val;
+    } else if (key == "--ip") {
+      f.ip = val;
+    } else if (key == "--with-perftest") {
+      f.perftest = true;
+    } else if (key == "--help" || key == "-h") {
+      Usage("help");
+    } else {
+      Usage("unknown flag '" + a + "'");
+    }
+  }
+  return f;
+}
+
+// The server side: a thread with its own io_context echoing (latency phase)
+// or swallowing (bandwidth phase) everything it receives.
+struct Server {
+  asio::io_context io;
+  std::unique_ptr<Connection> conn;
+  std::atomic<bool> echo{true};
+  std::thread thread;
+
+  void Loop() {
+    conn->Receive([this](absl::StatusOr<Message> m) {
+      if (!m.ok()) return;  // Closed: the run is over.
+      if (echo) {
+        auto out = conn->Prepare(m->size());
+        if (out.ok()) {
+          if (m->size() > 0) std::memcpy(out->data().data(), m->data().data(), m->size());
+          conn->Send(std::move(*out), [](absl::Status) {});
+        }
+      } else if (m->size() == 1) {  // End-of-burst marker: tell the client.
+        auto out = conn->Prepare(1);
+        if (out.ok()) conn->Send(std::move(*out), [](absl::Status) {});
+      }
+      m->Reset();
+      Loop();
+    });
+  }
+};
+
+struct Row {
+  std::string name;
+  size_t size;
+  double p50 = 0, p99 = 0, gbps = 0;
+};
+
+double Pct(std::vector<double>& v, double p) {
+  if (v.empty()) return 0;
+  std::sort(v.begin(), v.end());
+  return v[static_cast<size_t>(p * static_cast<double>(v.size() - 1))];
+}
+
+// Runs `fn` on the client io_context until `done` or the deadline.
+template <typename Pred>
+bool RunUntil(asio::io_context& io, Pred done, std::chrono::seconds limit = std::chrono::seconds(300)) {
+  const auto deadline = Clock::now() + limit;
+  while (!done() && Clock::now() < deadline) io.run_one_for(std::chrono::milliseconds(50));
+  return done();
+}
+
+absl::Status Measure(const std::string& name, Connection& client, Server& server, asio::io_context& io,
+                     const Flags& f, std::vector<Row>& rows) {
+  for (size_t size : f.sizes) {
+    if (size > client.max_message_size()) continue;
+    Row row{name, size};
+    // Latency: one message in flight.
+    server.echo = true;
+    std::vector<double> us;
+    const int iters = size >= (1 << 20) ? std::max(20, f.iters / 20) : f.iters;
+    const auto lat_deadline = Clock::now() + f.phase;
+    for (int i = -std::min(100, iters / 10); i < iters && (i < 10 || Clock::now() < lat_deadline); ++i) {
+      auto buf = client.Prepare(size);
+      if (!buf.ok()) return buf.status();
+      const auto t0 = Clock::now();
+      bool back = false;
+      absl::Status st;
+      client.Send(std::move(*buf), [&](absl::Status s) { if (!s.ok()) st = s; });
+      client.Receive([&](absl::StatusOr<Message> m) {
+        if (!m.ok()) st = m.status();
+        else if (m->size() != size) st = absl::DataLossError("echo size differs");
+        back = true;
+      });
+      if (!RunUntil(io, [&] { return back; })) return absl::DeadlineExceededError("echo timed out");
+      if (!st.ok()) return st;
+      if (i >= 0) us.push_back(std::chrono::duration<double, std::micro>(Clock::now() - t0).count());
+    }
+    row.p50 = Pct(us, 0.5);
+    row.p99 = Pct(us, 0.99);
+
+    // Bandwidth: `window` messages in flight one way, then a 1-byte marker
+    // the server answers; time from first send to that answer.
+    server.echo = false;
+    const size_t total_bytes = std::max<size_t>(size * 200, size_t{64} << 20);
+    const int count = static_cast<int>(std::min<size_t>(total_bytes / std::max<size_t>(size, 1), 200000));
+    int sent = 0, done_sends = 0;
+    absl::Status st;
+    const auto t0 = Clock::now();
+    const auto bw_deadline = t0 + f.phase;
+    int limit = count;
+    std::function<void()> pump = [&] {
+      if (sent >= 10 && limit == count && Clock::now() > bw_deadline) limit = sent;  // Time's up.
+      while (sent < limit && sent - done_sends < f.window && st.ok()) {
+        auto buf = client.Prepare(size);
+        if (!buf.ok()) { st = buf.status(); return; }
+        ++sent;
+        client.Send(std::move(*buf), [&](absl::Status s) {
+          if (!s.ok()) st = s;
+          ++done_sends;
+          pump();
+        });
+      }
+    };
+    pump();
+    if (!RunUntil(io, [&] { return done_sends == limit || !st.ok(); })) return absl::DeadlineExceededError("stream timed out");
+    if (!st.ok()) return st;
+    bool marker = false;
+    auto m = client.Prepare(1);
+    if (!m.ok()) return m.status();
+    client.Send(std::move(*m), [](absl::Status) {});
+    client.Receive([&](absl::StatusOr<Message> r) { marker = true; if (!r.ok()) st = r.status(); });
+    if (!RunUntil(io, [&] { return marker; })) return absl::DeadlineExceededError("marker timed out");
+    const double secs = std::chrono::duration<double>(Clock::now() - t0).count();
+    row.gbps = static_cast<double>(size) * limit * 8 / secs / 1e9;
+    rows.push_back(row);
+    std::fprintf(stderr, "  %s %zu B: p50 %.1f us, p99 %.1f us, %.3f Gb/s\n", name.c_str(), size, row.p50, row.p99,
+                 row.gbps);
+  }
+  return absl::OkStatus();
+}
+
+absl::Status RunTransport(const std::string& name, const Flags& f, std::vector<Row>& rows) {
+  asio::io_context io;
+  Server server;
+  auto guard = asio::make_work_guard(server.io);
+  std::shared_ptr<rdmarpc::rdma::RdmaContext> ctx;
+  absl::StatusOr<std::unique_ptr<Listener>> listener = absl::UnknownError("unset");
+  rdmarpc::rdma::RdmaOptions ro;
+  ro.poll_mode = f.poll;
+  if (name == "rdma") {
+    auto c = rdmarpc::rdma::RdmaContext::Open({.name = f.device});
+    if (!c.ok()) return c.status();
+    ctx = *c;
+    if (f.ip.empty()) return absl::InvalidArgumentError("--ip is required for rdma (an address on the device's netdev)");
+    listener = rdmarpc::rdma::Listen(server.io.get_executor(), ctx, f.ip, 0, ro);
+  } else {
+    listener = rdmarpc::transport::tcp::Listen(server.io.get_executor(), "127.0.0.1", 0, {});
+  }
+  if (!listener.ok()) return listener.status();
+  std::promise<absl::Status> accepted;
+  (*listener)->Accept([&](absl::StatusOr<std::unique_ptr<Connection>> c) {
+    if (c.ok()) server.conn = std::move(*c);
+    accepted.set_value(c.status());
+  });
+  server.thread = std::thread([&] { server.io.run(); });
+  const std::string uri = (*listener)->local_uri();
+  const uint16_t port = static_cast<uint16_t>(std::stoi(uri.substr(uri.rfind(':') + 1)));
+  absl::StatusOr<std::unique_ptr<Connection>> client = absl::UnknownError("pending");
+  bool connected = false;
+  auto on_connect = [&](absl::StatusOr<std::unique_ptr<Connection>> c) {
+    client = std::move(c);
+    connected = true;
+  };
+  if (name == "rdma")
+    rdmarpc::rdma::Connect(io.get_executor(), ctx, f.ip, port, ro, on_connect);
+  else
+    rdmarpc::transport::tcp::Connect(io.get_executor(), "127.0.0.1", port, {}, on_connect);
+  RunUntil(io, [&] { return connected; }, std::chrono::seconds(30));
+  absl::Status st = connected ? client.status() : absl::DeadlineExceededError("connect timed out");
+  auto acc = accepted.get_future();
+  if (st.ok() && acc.wait_for(std::chrono::seconds(30)) == std::future_status::ready) st = acc.get();
+  if (st.ok()) {
+    asio::post(server.io, [&] { server.Loop(); });
+    st = Measure(name, **client, server, io, f, rows);
+  }
+  if (client.ok() && *client) (*client)->Close();
+  asio::post(server.io, [&] {
+    if (server.conn) server.conn->Close();
+    (*listener)->Close();
+  });
+  io.run_for(std::chrono::milliseconds(100));
+  guard.reset();
+  server.io.stop();
+  server.thread.join();
+  return st;
+}
+
+// Runs a perftest pair on the local device; returns its output.
+std::string RunPair(const std::string& server_cmd, const std::string& client_cmd) {
+  std::string bg = server_cmd + " >/dev/null 2>&1 & sleep 2; " + client_cmd + " 2>&1; wait";
+  FILE* p = popen(bg.c_str(), "r");
+  if (!p) return "";
+  std::string out;
+  char buf[512];
+  while (fgets(buf, sizeof buf, p)) out += buf;
+  pclose(p);
+  return out;
+}
+
+// Table row of perftest output for `size`: the numbers after it.
+std::vector<double> PerftestRow(const std::string& out, size_t size) {
+  std::regex row("^\\s*" + std::to_string(size) + "\\s+([0-9.\\s]+)$");
+  for (auto line : absl::StrSplit(out, '\n')) {
+    std::smatch m;
+    std::string l(line);
+    if (std::regex_match(l, m, row)) {
+      std::vector<double> v;
+      for (auto tok : absl::StrSplit(m[1].str(), ' ', absl::SkipWhitespace())) {
+        double d = 0;
+        if (absl::SimpleAtod(tok, &d)) v.push_back(d);
+      }
+      return v;
+    }
+  }
+  return {};
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  Flags f = Parse(argc, argv);
+  std::vector<Row> rows;
+  for (const auto& t : f.transports) {
+    std::fprintf(stderr, "== %s (poll=%s)\n", t.c_str(), rdmarpc::rdma::PollModeName(f.poll));
+    if (auto st = RunTransport(t, f, rows); !st.ok()) {
+      std::fprintf(stderr, "transport_bench: %s: %s\n", t.c_str(), st.ToString().c_str());
+      return 1;
+    }
+  }
+  // perftest ceilings: ib_send_lat reports one-way latency (half the round
+  // trip), so its round trip is 2 x t_typical; ib_write_bw's BW average in MB/s.
+  std::vector<Row> ceiling;
+  if (f.perftest) {
+    const std::string d = f.device.empty() ? "" : " -d " + f.device;
+    for (size_t size : f.sizes) {
+      Row r{"perftest", size};
+      auto lat = PerftestRow(RunPair("ib_send_lat -F -n 1000 -s " + std::to_string(size) + d,
+                                     "ib_send_lat -F -n 1000 -s " + std::to_string(size) + d + " " + f.ip),
+                             size);
+      // Columns: #iterations t_min t_max t_typical t_avg t_stdev 99% 99.9%
+      if (lat.size() >= 7) {
+        r.p50 = 2 * lat[3];
+        r.p99 = 2 * lat[6];
+      }
+      auto bw = PerftestRow(RunPair("ib_write_bw -F -n 200 -s " + std::to_string(size) + d,
+                                    "ib_write_bw -F -n 200 -s " + std::to_string(size) + d + " " + f.ip),
+                            size);
+      // Columns: #iterations BW_peak BW_average MsgRate (MB/s = 2^20 bytes)
+      if (bw.size() >= 3) r.gbps = bw[2] * 1048576.0 * 8 / 1e9;
+      ceiling.push_back(r);
+    }
+  }
+
+  std::printf("\n| transport | size B | p50 us | p99 us | Gb/s | p50 vs 2x ib_send_lat | Gb/s vs ib_write_bw |\n");
+  std::printf("|---|---:|---:|---:|---:|---:|---:|\n");
+  auto print = [&](const Row& r) {
+    std::string lat_ratio = "-", bw_ratio = "-";
+    for (const auto& c : ceiling)
+      if (c.size == r.size && r.name == "rdma") {
+        if (c.p50 > 0) lat_ratio = absl::StrCat(absl::SixDigits(r.p50 / c.p50), "x");
+        if (c.gbps > 0) bw_ratio = absl::StrCat(absl::SixDigits(r.gbps / c.gbps), "x");
+      }
+    std::printf("| %s | %zu | %.1f | %.1f | %.3f | %s | %s |\n", r.name.c_str(), r.size, r.p50, r.p99, r.gbps,
+                lat_ratio.c_str(), bw_ratio.c_str());
+  };
+  for (const auto& r : rows) print(r);
+  for (const auto& r : ceiling) print(r);
+  std::printf("\n(perftest rows: p50/p99 = 2 x ib_send_lat t_typical / 99%%, one-way x 2 = round trip;\n"
+              " Gb/s = ib_write_bw BW average. Inside the Soft-RoCE VM only ratios mean anything.)\n");
+  return 0;
+}
