@@ -1,0 +1,672 @@
+#include "tests/conformance/transport_conformance.h"
+
+#include <algorithm>
+#include <atomic>
+#include <cstring>
+#include <optional>
+#include <thread>
+
+#include <boost/asio/bind_cancellation_slot.hpp>
+#include <boost/asio/bind_executor.hpp>
+#include <boost/asio/cancellation_signal.hpp>
+#include <boost/asio/strand.hpp>
+
+#include "absl/strings/str_cat.h"
+
+namespace rdmarpc::conformance {
+namespace {
+
+using transport::Connection;
+using transport::Message;
+using transport::SendBuffer;
+using Clock = std::chrono::steady_clock;
+
+// ---- payloads ------------------------------------------------------------------
+
+uint64_t SplitMix64(uint64_t& state) {
+  uint64_t z = (state += 0x9e3779b97f4a7c15ULL);
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
+  return z ^ (z >> 31);
+}
+
+// Fills `out` with message `index` of stream `seed`: the index in the first 8
+// bytes (when they fit), so a reordered or duplicated message says which one
+// it is, then bytes that differ per seed, index and offset.
+void FillPayload(uint64_t seed, uint64_t index, std::span<std::byte> out) {
+  uint64_t state = seed * 0x100000001b3ULL ^ index;
+  size_t i = 0;
+  if (out.size() >= 8) {
+    for (; i < 8; ++i) out[i] = static_cast<std::byte>(index >> (8 * i));
+  }
+  while (i < out.size()) {
+    uint64_t word = SplitMix64(state);
+    for (int b = 0; b < 8 && i < out.size(); ++b, ++i) out[i] = static_cast<std::byte>(word >> (8 * b));
+  }
+}
+
+std::vector<std::byte> Payload(uint64_t seed, uint64_t index, size_t size) {
+  std::vector<std::byte> bytes(size);
+  FillPayload(seed, index, bytes);
+  return bytes;
+}
+
+uint64_t Fnv1a(std::span<const std::byte> bytes) {
+  uint64_t h = 0xcbf29ce484222325ULL;
+  for (std::byte b : bytes) h = (h ^ std::to_integer<uint64_t>(b)) * 0x100000001b3ULL;
+  return h;
+}
+
+// Empty when `got` is message `index` of stream `seed` with `size` bytes;
+// otherwise what is wrong with it.
+std::string CheckPayload(std::span<const std::byte> got, uint64_t seed, uint64_t index, size_t size) {
+  if (got.size() != size) {
+    return absl::StrCat("message #", index, ": got ", got.size(), " bytes, expected ", size);
+  }
+  std::vector<std::byte> want = Payload(seed, index, size);
+  const uint64_t got_sum = Fnv1a(got);
+  const uint64_t want_sum = Fnv1a(want);
+  if (got_sum == want_sum) return "";
+  auto [g, w] = std::mismatch(got.begin(), got.end(), want.begin());
+  std::string which;
+  if (size >= 8) {
+    uint64_t got_index = 0;
+    for (int i = 0; i < 8; ++i) got_index |= std::to_integer<uint64_t>(got[i]) << (8 * i);
+    if (got_index != index) which = absl::StrCat(" (it carries the index of message #", got_index, ")");
+  }
+  return absl::StrCat("message #", index, " of ", size, " bytes: checksum ", got_sum, " != expected ", want_sum,
+                      ", first difference at offset ", g - got.begin(), which);
+}
+
+std::string Describe(const absl::Status& status) { return status.ToString(); }
+
+// Tests that need a buffer of max_message_size (+1) bytes skip that part
+// above this: a backend may allow messages too big to allocate in a test.
+constexpr size_t kLargestMessageToMaterialise = size_t{256} << 20;
+
+// ---- a one-way stream of checked messages ---------------------------------------
+
+// Sends `count` messages from `from` to `to` with up to `window` sends in
+// flight and one Receive() pending, checking every arrival (content and order).
+// Handlers hold the Flow by shared_ptr, so a handler that runs late is harmless.
+struct Flow : std::enable_shared_from_this<Flow> {
+  Connection* from = nullptr;
+  Connection* to = nullptr;
+  uint64_t seed = 0;
+  int count = 0;
+  int window = 1;
+  std::function<size_t(int)> size_of;
+  bool zero_copy = false;  // Prepare() + write into data() instead of async_send(span).
+
+  int next_send = 0;
+  int sends_done = 0;
+  int received = 0;
+  std::string failure;  // The first thing that went wrong.
+
+  bool done() const { return !failure.empty() || (sends_done == count && received == count); }
+
+  void Start() {
+    for (int i = 0; i < window; ++i) SendNext();
+    if (count > 0) ReceiveNext();
+  }
+
+  void Fail(std::string what) {
+    if (failure.empty()) failure = std::move(what);
+  }
+
+  void SendNext() {
+    if (next_send >= count || !failure.empty()) return;
+    const int i = next_send++;
+    const size_t size = size_of(i);
+    auto on_sent = [self = shared_from_this(), i](absl::Status s) {
+      if (!s.ok()) return self->Fail(absl::StrCat("send #", i, " failed: ", Describe(s)));
+      ++self->sends_done;
+      self->SendNext();
+    };
+    if (zero_copy) {
+      absl::StatusOr<SendBuffer> buffer = from->Prepare(size);
+      if (!buffer.ok()) return Fail(absl::StrCat("Prepare(", size, ") failed: ", Describe(buffer.status())));
+      FillPayload(seed, i, buffer->data());
+      from->async_send(std::move(*buffer), std::move(on_sent));
+    } else {
+      std::vector<std::byte> bytes = Payload(seed, i, size);
+      from->async_send(std::span<const std::byte>(bytes), std::move(on_sent));
+    }
+  }
+
+  void ReceiveNext() {
+    to->async_receive([self = shared_from_this()](absl::StatusOr<Message> m) {
+      const int i = self->received;
+      if (!m.ok()) return self->Fail(absl::StrCat("receive #", i, " failed: ", Describe(m.status())));
+      std::string wrong = CheckPayload(m->data(), self->seed, i, self->size_of(i));
+      if (!wrong.empty()) return self->Fail(wrong);
+      if (++self->received < self->count) self->ReceiveNext();
+    });
+  }
+};
+
+std::shared_ptr<Flow> StartFlow(Connection* from, Connection* to, uint64_t seed, int count, int window,
+                                std::function<size_t(int)> size_of, bool zero_copy = false) {
+  auto flow = std::make_shared<Flow>();
+  flow->from = from;
+  flow->to = to;
+  flow->seed = seed;
+  flow->count = count;
+  flow->window = window;
+  flow->size_of = std::move(size_of);
+  flow->zero_copy = zero_copy;
+  flow->Start();
+  return flow;
+}
+
+std::string Progress(const Flow& f) {
+  return absl::StrCat("sent ", f.sends_done, "/", f.count, ", received ", f.received, "/", f.count,
+                      f.failure.empty() ? "" : ", failure: ", f.failure);
+}
+
+// A completion slot: set once, read by the test thread.
+template <typename T>
+struct Result {
+  std::optional<T> value;
+  bool inline_call = false;  // The handler ran before its initiating call returned.
+  bool has_value() const { return value.has_value(); }
+};
+
+}  // namespace
+
+// ---- fixture ---------------------------------------------------------------------
+
+std::string TransportName(const ::testing::TestParamInfo<TransportUnderTest>& info) { return info.param.name; }
+
+void PrintTo(const TransportUnderTest& transport, std::ostream* os) {
+  *os << transport.name << " (max_message_size " << transport.max_message_size << ")";
+}
+
+void TransportConformance::SetUp() {
+  work_ = std::make_unique<asio::executor_work_guard<asio::io_context::executor_type>>(io_.get_executor());
+  auto listener = GetParam().listen(io_.get_executor());
+  ASSERT_TRUE(listener.ok()) << listener.status();
+  listener_ = std::move(*listener);
+}
+
+void TransportConformance::TearDown() {
+  for (auto& c : connections_) c->Close();
+  if (listener_) listener_->Close();
+  // Let the CANCELLED/UNAVAILABLE completions run while everything is alive;
+  // the contract asks for that before a connection is destroyed.
+  RunFor(std::chrono::milliseconds(20));
+  connections_.clear();
+  listener_.reset();
+  work_.reset();
+  io_.restart();
+  io_.run_for(std::chrono::seconds(5));
+}
+
+bool TransportConformance::RunUntil(const std::function<bool()>& done, Clock::duration limit) {
+  const auto deadline = Clock::now() + limit;
+  io_.restart();
+  while (!done()) {
+    const auto now = Clock::now();
+    if (now >= deadline) return false;
+    io_.run_one_for(std::min<Clock::duration>(deadline - now, std::chrono::milliseconds(100)));
+  }
+  return true;
+}
+
+absl::StatusOr<TransportConformance::Pair> TransportConformance::ConnectPair() {
+  auto accepted = std::make_shared<Result<absl::StatusOr<std::unique_ptr<Connection>>>>();
+  auto connected = std::make_shared<Result<absl::StatusOr<std::unique_ptr<Connection>>>>();
+  listener_->Accept([accepted](absl::StatusOr<std::unique_ptr<Connection>> c) { accepted->value.emplace(std::move(c)); });
+  GetParam().connect(io_.get_executor(), listener_->local_uri(),
+                     [connected](absl::StatusOr<std::unique_ptr<Connection>> c) { connected->value.emplace(std::move(c)); });
+  const bool finished = RunUntil([&] {
+    return connected->has_value() && (accepted->has_value() || !connected->value->ok());
+  });
+  if (!finished) {
+    return absl::DeadlineExceededError(absl::StrCat("connect to ", listener_->local_uri(), ": connect ",
+                                                    connected->has_value() ? "done" : "pending", ", accept ",
+                                                    accepted->has_value() ? "done" : "pending"));
+  }
+  if (!connected->value->ok()) return connected->value->status();
+  if (!accepted->value->ok()) return accepted->value->status();
+  Pair pair{connected->value->value().get(), accepted->value->value().get()};
+  connections_.push_back(std::move(**connected->value));
+  connections_.push_back(std::move(**accepted->value));
+  return pair;
+}
+
+absl::Status TransportConformance::SendAndWait(Connection& connection, std::span<const std::byte> bytes) {
+  auto result = std::make_shared<Result<absl::Status>>();
+  connection.async_send(bytes, [result](absl::Status s) { result->value.emplace(std::move(s)); });
+  if (!RunUntil([&] { return result->has_value(); })) return absl::DeadlineExceededError("send did not complete");
+  return *result->value;
+}
+
+absl::StatusOr<Message> TransportConformance::ReceiveAndWait(Connection& connection) {
+  auto result = std::make_shared<Result<absl::StatusOr<Message>>>();
+  connection.async_receive([result](absl::StatusOr<Message> m) { result->value.emplace(std::move(m)); });
+  if (!RunUntil([&] { return result->has_value(); })) return absl::DeadlineExceededError("receive did not complete");
+  return std::move(*result->value);
+}
+
+void TransportConformance::ExpectWorks(const Pair& pair, uint64_t seed) {
+  auto there = StartFlow(pair.client, pair.server, seed, 3, 3, [](int i) { return size_t{100} + i; });
+  auto back = StartFlow(pair.server, pair.client, seed + 1, 3, 3, [](int i) { return size_t{200} + i; });
+  ASSERT_TRUE(RunUntil([&] { return there->done() && back->done(); }))
+      << "there: " << Progress(*there) << "; back: " << Progress(*back);
+  EXPECT_EQ(there->failure, "");
+  EXPECT_EQ(back->failure, "");
+}
+
+// ---- 1. integrity ----------------------------------------------------------------
+
+// Every size class boundary a backend might have (cache line, page, eager vs
+// rendezvous), both directions at once, checked by content.
+TEST_P(TransportConformance, IntegrityBothDirectionsAcrossSizes) {
+  std::vector<size_t> sizes;
+  for (size_t s : {size_t{0}, size_t{1}, size_t{63}, size_t{64}, size_t{65}, size_t{4095}, size_t{4096},
+                   size_t{4097}, size_t{65536}, size_t{1} << 20, size_t{16} << 20}) {
+    if (s <= GetParam().max_message_size) sizes.push_back(s);
+  }
+  auto pair = ConnectPair();
+  ASSERT_TRUE(pair.ok()) << pair.status();
+  const int n = static_cast<int>(sizes.size());
+  auto size_of = [sizes](int i) { return sizes[static_cast<size_t>(i)]; };
+  auto there = StartFlow(pair->client, pair->server, 11, n, 2, size_of);
+  auto back = StartFlow(pair->server, pair->client, 12, n, 2, size_of);
+  ASSERT_TRUE(RunUntil([&] { return there->done() && back->done(); }))
+      << "client->server: " << Progress(*there) << "; server->client: " << Progress(*back);
+  EXPECT_EQ(there->failure, "");
+  EXPECT_EQ(back->failure, "");
+}
+
+// ---- 2. order ----------------------------------------------------------------------
+
+TEST_P(TransportConformance, TenThousandMessagesArriveInOrderExactlyOnce) {
+  auto pair = ConnectPair();
+  ASSERT_TRUE(pair.ok()) << pair.status();
+  constexpr int kCount = 10'000;
+  // Sizes vary so that a backend that batches or splits frames is exercised.
+  auto flow = StartFlow(pair->client, pair->server, 21, kCount, 64,
+                        [](int i) { return size_t{8} + static_cast<size_t>(i * 37 % 300); });
+  ASSERT_TRUE(RunUntil([&] { return flow->done(); })) << Progress(*flow);
+  ASSERT_EQ(flow->failure, "");
+  // Exactly once: the next thing to arrive is a fresh marker, not a duplicate.
+  const std::vector<std::byte> marker = Payload(22, 0, 24);
+  ASSERT_TRUE(SendAndWait(*pair->client, marker).ok());
+  auto next = ReceiveAndWait(*pair->server);
+  ASSERT_TRUE(next.ok()) << next.status();
+  EXPECT_EQ(CheckPayload(next->data(), 22, 0, 24), "");
+}
+
+// ---- 3. executors --------------------------------------------------------------------
+
+TEST_P(TransportConformance, HandlersRunOnTheirAssociatedExecutorNeverInline) {
+  auto pair = ConnectPair();
+  ASSERT_TRUE(pair.ok()) << pair.status();
+  Connection& client = *pair->client;
+  Connection& server = *pair->server;
+
+  // (a) Default: the connection's executor (io_ here), after the call returned.
+  // A message is already waiting, the case most tempting to complete inline.
+  ASSERT_TRUE(SendAndWait(client, Payload(31, 0, 10)).ok());
+  RunFor(std::chrono::milliseconds(50));
+  {
+    auto r = std::make_shared<Result<bool>>();
+    auto returned = std::make_shared<bool>(false);
+    server.async_receive([r, returned, ex = io_.get_executor()](absl::StatusOr<Message> m) {
+      r->inline_call = !*returned;
+      r->value = m.ok() && ex.running_in_this_thread();
+    });
+    *returned = true;
+    ASSERT_TRUE(RunUntil([&] { return r->has_value(); }));
+    EXPECT_FALSE(r->inline_call) << "Receive() ran its handler inline";
+    EXPECT_TRUE(*r->value);
+  }
+
+  // (b) A strand: the handler runs inside it.
+  auto strand = asio::make_strand(io_);
+  {
+    auto sent = std::make_shared<Result<bool>>();
+    auto got = std::make_shared<Result<bool>>();
+    auto returned = std::make_shared<bool>(false);
+    server.async_receive(asio::bind_executor(strand, [got, returned, strand](absl::StatusOr<Message> m) {
+      got->inline_call = !*returned;
+      got->value = m.ok() && strand.running_in_this_thread();
+    }));
+    std::vector<std::byte> bytes = Payload(31, 1, 10);
+    client.async_send(std::span<const std::byte>(bytes),
+                      asio::bind_executor(strand, [sent, returned, strand](absl::Status s) {
+                        sent->inline_call = !*returned;
+                        sent->value = s.ok() && strand.running_in_this_thread();
+                      }));
+    *returned = true;
+    ASSERT_TRUE(RunUntil([&] { return sent->has_value() && got->has_value(); }));
+    EXPECT_FALSE(sent->inline_call);
+    EXPECT_FALSE(got->inline_call);
+    EXPECT_TRUE(*sent->value) << "send handler not on its strand (or failed)";
+    EXPECT_TRUE(*got->value) << "receive handler not on its strand (or failed)";
+  }
+
+  // (c) Another io_context run by another thread: the handler runs there,
+  // for a receive, a send, and a send that fails before touching the wire.
+  asio::io_context other;
+  auto other_work = asio::make_work_guard(other);
+  std::thread other_thread([&] { other.run(); });
+  const std::thread::id other_id = other_thread.get_id();
+  std::atomic<int> on_other{0}, elsewhere{0};
+  auto check = [&] {
+    const bool ok = other.get_executor().running_in_this_thread() && std::this_thread::get_id() == other_id;
+    (ok ? on_other : elsewhere).fetch_add(1);
+  };
+  int expected = 2;
+  server.async_receive(asio::bind_executor(other, [&check](absl::StatusOr<Message>) { check(); }));
+  std::vector<std::byte> bytes = Payload(31, 2, 10);
+  client.async_send(std::span<const std::byte>(bytes), asio::bind_executor(other, [&check](absl::Status) { check(); }));
+  const bool try_oversized = GetParam().max_message_size < kLargestMessageToMaterialise;
+  if (try_oversized) {
+    ++expected;
+    std::vector<std::byte> too_big(GetParam().max_message_size + 1);
+    client.async_send(std::span<const std::byte>(too_big), asio::bind_executor(other, [&check](absl::Status) { check(); }));
+  }
+  const bool all_ran = RunUntil([&] { return on_other.load() + elsewhere.load() == expected; });
+  if (!all_ran) {
+    // Complete whatever is stuck while `other` still exists to run it.
+    client.Close();
+    server.Close();
+    RunFor(std::chrono::milliseconds(200));
+  }
+  other_work.reset();
+  other_thread.join();
+  ASSERT_TRUE(all_ran) << "handlers bound to another io_context did not all run";
+  EXPECT_EQ(on_other.load(), expected);
+  EXPECT_EQ(elsewhere.load(), 0);
+
+  // (d) An error completion is not inline either.
+  if (try_oversized) {
+    auto r = std::make_shared<Result<bool>>();
+    auto returned = std::make_shared<bool>(false);
+    std::vector<std::byte> too_big(GetParam().max_message_size + 1);
+    client.async_send(std::span<const std::byte>(too_big), [r, returned](absl::Status s) {
+      r->inline_call = !*returned;
+      r->value = !s.ok();
+    });
+    *returned = true;
+    ASSERT_TRUE(RunUntil([&] { return r->has_value(); }));
+    EXPECT_FALSE(r->inline_call) << "a failing Send() ran its handler inline";
+    EXPECT_TRUE(*r->value);
+  }
+  ExpectWorks(*pair, 32);
+}
+
+// ---- 4. receive cancellation ------------------------------------------------------------
+
+TEST_P(TransportConformance, CancelledReceiveCompletesCancelledAndLosesNothing) {
+  auto pair = ConnectPair();
+  ASSERT_TRUE(pair.ok()) << pair.status();
+  Connection& client = *pair->client;
+  Connection& server = *pair->server;
+
+  // The plain case: nothing in flight, cancel, then the message sent
+  // afterwards goes to the next Receive().
+  {
+    // The handler keeps its signal alive: Asio requires the signal to outlive
+    // the operation, even if this test fails half way.
+    auto signal = std::make_shared<asio::cancellation_signal>();
+    auto r = std::make_shared<Result<absl::StatusOr<Message>>>();
+    server.async_receive(asio::bind_cancellation_slot(
+        signal->slot(), [r, signal](absl::StatusOr<Message> m) { r->value.emplace(std::move(m)); }));
+    RunFor(std::chrono::milliseconds(20));
+    signal->emit(asio::cancellation_type::terminal);
+    ASSERT_TRUE(RunUntil([&] { return r->has_value(); }));
+    ASSERT_FALSE(r->value->ok()) << "a cancelled Receive() returned a message nobody sent";
+    EXPECT_EQ(r->value->status().code(), absl::StatusCode::kCancelled) << r->value->status();
+    ASSERT_TRUE(SendAndWait(client, Payload(41, 0, 33)).ok());
+    auto next = ReceiveAndWait(server);
+    ASSERT_TRUE(next.ok()) << next.status();
+    EXPECT_EQ(CheckPayload(next->data(), 41, 0, 33), "");
+  }
+
+  // Races: cancel at varying points while a message is on its way. Either the
+  // Receive() got it, or it completed CANCELLED and the next one gets it.
+  int cancelled = 0, delivered = 0;
+  const asio::cancellation_type kinds[] = {asio::cancellation_type::terminal, asio::cancellation_type::partial,
+                                           asio::cancellation_type::total};
+  for (int i = 1; i <= 200; ++i) {
+    auto signal = std::make_shared<asio::cancellation_signal>();
+    auto r = std::make_shared<Result<absl::StatusOr<Message>>>();
+    server.async_receive(asio::bind_cancellation_slot(
+        signal->slot(), [r, signal](absl::StatusOr<Message> m) { r->value.emplace(std::move(m)); }));
+    auto sent = std::make_shared<Result<absl::Status>>();
+    std::vector<std::byte> bytes = Payload(41, static_cast<uint64_t>(i), 40);
+    client.async_send(std::span<const std::byte>(bytes), [sent](absl::Status s) { sent->value.emplace(std::move(s)); });
+    io_.restart();
+    for (int k = 0; k < i % 7; ++k) io_.poll_one();
+    signal->emit(kinds[i % 3]);
+    ASSERT_TRUE(RunUntil([&] { return r->has_value() && sent->has_value(); })) << "iteration " << i;
+    ASSERT_TRUE(sent->value->ok()) << *sent->value;
+    if (r->value->ok()) {
+      ++delivered;
+      ASSERT_EQ(CheckPayload((*r->value)->data(), 41, static_cast<uint64_t>(i), 40), "") << "iteration " << i;
+      continue;
+    }
+    ++cancelled;
+    ASSERT_EQ(r->value->status().code(), absl::StatusCode::kCancelled) << r->value->status();
+    auto next = ReceiveAndWait(server);
+    ASSERT_TRUE(next.ok()) << "iteration " << i << ": " << next.status();
+    ASSERT_EQ(CheckPayload(next->data(), 41, static_cast<uint64_t>(i), 40), "")
+        << "iteration " << i << ": the message sent around the cancellation was lost or replaced";
+  }
+  RecordProperty("cancelled", cancelled);
+  RecordProperty("delivered", delivered);
+  EXPECT_GT(cancelled, 0) << "no iteration exercised the cancelled path";
+  ExpectWorks(*pair, 42);
+}
+
+// ---- 5. close ----------------------------------------------------------------------------
+
+TEST_P(TransportConformance, CloseCancelsLocallyAndEndsThePeer) {
+  auto pair = ConnectPair();
+  ASSERT_TRUE(pair.ok()) << pair.status();
+  Connection& client = *pair->client;
+  Connection& server = *pair->server;
+  ExpectWorks(*pair, 51);
+
+  auto local = std::make_shared<Result<absl::StatusOr<Message>>>();
+  auto remote = std::make_shared<Result<absl::StatusOr<Message>>>();
+  server.async_receive([local](absl::StatusOr<Message> m) { local->value.emplace(std::move(m)); });
+  client.async_receive([remote](absl::StatusOr<Message> m) { remote->value.emplace(std::move(m)); });
+  // Sends queued at the moment of Close() must complete too (OK if they
+  // already finished, CANCELLED if they were still pending).
+  auto sends = std::make_shared<std::vector<absl::Status>>();
+  for (int i = 0; i < 8; ++i) {
+    std::vector<std::byte> bytes = Payload(52, static_cast<uint64_t>(i), 1000);
+    server.async_send(std::span<const std::byte>(bytes), [sends](absl::Status s) { sends->push_back(std::move(s)); });
+  }
+  server.Close();
+  server.Close();  // Idempotent.
+
+  ASSERT_TRUE(RunUntil([&] { return local->has_value() && remote->has_value() && sends->size() == 8; }))
+      << "local receive " << (local->has_value() ? "done" : "pending") << ", peer receive "
+      << (remote->has_value() ? "done" : "pending") << ", sends done " << sends->size() << "/8";
+  ASSERT_FALSE(local->value->ok());
+  EXPECT_EQ(local->value->status().code(), absl::StatusCode::kCancelled) << local->value->status();
+  for (const absl::Status& s : *sends) {
+    EXPECT_TRUE(s.ok() || s.code() == absl::StatusCode::kCancelled) << s;
+  }
+  // The peer may first receive messages that made it out before the close;
+  // after those it must see the connection end.
+  absl::StatusOr<Message> peer_end = std::move(*remote->value);
+  for (int drained = 0; peer_end.ok() && drained < 8; ++drained) peer_end = ReceiveAndWait(client);
+  ASSERT_FALSE(peer_end.ok()) << "the peer never saw the connection end";
+  EXPECT_EQ(peer_end.status().code(), absl::StatusCode::kUnavailable) << peer_end.status();
+
+  // Later operations fail: on the closed side CANCELLED, on the peer UNAVAILABLE.
+  absl::Status after = SendAndWait(server, Payload(53, 0, 10));
+  EXPECT_EQ(after.code(), absl::StatusCode::kCancelled) << after;
+  auto receive_after = ReceiveAndWait(server);
+  ASSERT_FALSE(receive_after.ok());
+  EXPECT_EQ(receive_after.status().code(), absl::StatusCode::kCancelled) << receive_after.status();
+  absl::Status peer_send = SendAndWait(client, Payload(53, 1, 10));
+  EXPECT_EQ(peer_send.code(), absl::StatusCode::kUnavailable) << peer_send;
+  auto peer_receive = ReceiveAndWait(client);
+  ASSERT_FALSE(peer_receive.ok());
+  EXPECT_EQ(peer_receive.status().code(), absl::StatusCode::kUnavailable) << peer_receive.status();
+}
+
+// ---- 6. oversized sends --------------------------------------------------------------------
+
+TEST_P(TransportConformance, OversizedSendFailsClearlyAndTheConnectionSurvives) {
+  const size_t max = GetParam().max_message_size;
+  auto pair = ConnectPair();
+  ASSERT_TRUE(pair.ok()) << pair.status();
+  EXPECT_EQ(pair->client->max_message_size(), max);
+  EXPECT_EQ(pair->server->max_message_size(), max);
+
+  auto prepared = pair->client->Prepare(max + 1);
+  ASSERT_FALSE(prepared.ok()) << "Prepare(max_message_size + 1) succeeded";
+  EXPECT_TRUE(prepared.status().code() == absl::StatusCode::kInvalidArgument ||
+              prepared.status().code() == absl::StatusCode::kResourceExhausted)
+      << prepared.status();
+
+  // The copying send path, and a message of exactly the limit, where the
+  // limit is small enough to allocate in a test.
+  if (max <= kLargestMessageToMaterialise) {
+    std::vector<std::byte> too_big(max + 1);
+    absl::Status s = SendAndWait(*pair->client, too_big);
+    EXPECT_TRUE(s.code() == absl::StatusCode::kInvalidArgument || s.code() == absl::StatusCode::kResourceExhausted)
+        << s;
+    too_big = {};
+    auto flow = StartFlow(pair->client, pair->server, 61, 1, 1, [max](int) { return max; });
+    ASSERT_TRUE(RunUntil([&] { return flow->done(); })) << Progress(*flow);
+    EXPECT_EQ(flow->failure, "");
+  }
+  ExpectWorks(*pair, 62);
+}
+
+// ---- 7. isolation ---------------------------------------------------------------------------
+
+TEST_P(TransportConformance, ClosingOneConnectionLeavesAnotherAlone) {
+  auto a = ConnectPair();
+  ASSERT_TRUE(a.ok()) << a.status();
+  auto b = ConnectPair();
+  ASSERT_TRUE(b.ok()) << b.status();
+  // Traffic on b is in flight while a goes away.
+  auto there = StartFlow(b->client, b->server, 71, 500, 16, [](int i) { return size_t{1} + i % 2000; });
+  auto back = StartFlow(b->server, b->client, 72, 500, 16, [](int i) { return size_t{3000} - i % 2000; });
+  auto a_server = std::make_shared<Result<absl::StatusOr<Message>>>();
+  a->server->async_receive([a_server](absl::StatusOr<Message> m) { a_server->value.emplace(std::move(m)); });
+  a->client->Close();
+  ASSERT_TRUE(RunUntil([&] { return a_server->has_value() && there->done() && back->done(); }))
+      << "b there: " << Progress(*there) << "; b back: " << Progress(*back);
+  ASSERT_FALSE(a_server->value->ok());
+  EXPECT_EQ(a_server->value->status().code(), absl::StatusCode::kUnavailable) << a_server->value->status();
+  EXPECT_EQ(there->failure, "");
+  EXPECT_EQ(back->failure, "");
+  ExpectWorks(*b, 73);
+}
+
+// ---- 8. many connections ------------------------------------------------------------------------
+
+TEST_P(TransportConformance, EightConnectionsExchangeInParallel) {
+  constexpr int kConnections = 8;
+  std::vector<Pair> pairs;
+  for (int c = 0; c < kConnections; ++c) {
+    auto p = ConnectPair();
+    ASSERT_TRUE(p.ok()) << "connection " << c << ": " << p.status();
+    pairs.push_back(*p);
+  }
+  std::vector<std::shared_ptr<Flow>> flows;
+  for (int c = 0; c < kConnections; ++c) {
+    // Distinct seeds: a message crossing to the wrong connection fails its check.
+    auto size_of = [c](int i) { return size_t{16} + static_cast<size_t>((i * 131 + c * 17) % 9000); };
+    flows.push_back(StartFlow(pairs[c].client, pairs[c].server, 800 + 2 * c, 200, 8, size_of));
+    flows.push_back(StartFlow(pairs[c].server, pairs[c].client, 801 + 2 * c, 200, 8, size_of));
+  }
+  const bool finished =
+      RunUntil([&] { return std::all_of(flows.begin(), flows.end(), [](const auto& f) { return f->done(); }); });
+  for (size_t f = 0; f < flows.size(); ++f) {
+    EXPECT_EQ(flows[f]->failure, "") << "flow " << f;
+    EXPECT_TRUE(flows[f]->done()) << "flow " << f << ": " << Progress(*flows[f]);
+  }
+  ASSERT_TRUE(finished);
+}
+
+// ---- 9. held messages ------------------------------------------------------------------------------
+
+TEST_P(TransportConformance, HeldMessagesAreNotOverwrittenByLaterOnes) {
+  auto pair = ConnectPair();
+  ASSERT_TRUE(pair.ok()) << pair.status();
+  constexpr int kHeld = 16;
+  auto size_of = [](int i) { return size_t{100} + static_cast<size_t>(i * 997 % 5000); };
+  std::vector<Message> held;
+  for (int i = 0; i < 2 * kHeld; ++i) {
+    ASSERT_TRUE(SendAndWait(*pair->client, Payload(91, static_cast<uint64_t>(i), size_of(i))).ok());
+    auto m = ReceiveAndWait(*pair->server);
+    ASSERT_TRUE(m.ok()) << "message " << i << ": " << m.status();
+    held.push_back(std::move(*m));
+    if (i + 1 == kHeld) {
+      // Give back every other one of the first batch, so later messages land
+      // in recycled memory right next to held memory.
+      for (int j = 0; j < kHeld; j += 2) held[j].Reset();
+    }
+  }
+  for (int i = 0; i < 2 * kHeld; ++i) {
+    if (i < kHeld && i % 2 == 0) continue;
+    EXPECT_EQ(CheckPayload(held[i].data(), 91, static_cast<uint64_t>(i), size_of(i)), "") << "held message " << i;
+  }
+  // Release in a scrambled order, then the connection still works.
+  for (int i = 0; i < 2 * kHeld; ++i) held[static_cast<size_t>((i * 7) % (2 * kHeld))].Reset();
+  ExpectWorks(*pair, 92);
+}
+
+// ---- 10. zero-copy sends ------------------------------------------------------------------------------
+
+TEST_P(TransportConformance, PreparedBuffersDeliverWhatWasWrittenIntoThem) {
+  auto pair = ConnectPair();
+  ASSERT_TRUE(pair.ok()) << pair.status();
+  // Buffers dropped unsent go back without harm.
+  for (int i = 0; i < 100; ++i) {
+    auto dropped = pair->client->Prepare(static_cast<size_t>(i) * 50);
+    ASSERT_TRUE(dropped.ok()) << dropped.status();
+    ASSERT_EQ(dropped->size(), static_cast<size_t>(i) * 50);
+  }
+  std::vector<size_t> sizes;
+  for (size_t s : {size_t{0}, size_t{1}, size_t{4096}, size_t{100'000}, size_t{1} << 20}) {
+    if (s <= GetParam().max_message_size) sizes.push_back(s);
+  }
+  auto size_of = [sizes](int i) { return sizes[static_cast<size_t>(i) % sizes.size()]; };
+  const int n = static_cast<int>(sizes.size()) * 4;
+  auto there = StartFlow(pair->client, pair->server, 101, n, 4, size_of, /*zero_copy=*/true);
+  auto back = StartFlow(pair->server, pair->client, 102, n, 4, size_of, /*zero_copy=*/true);
+  ASSERT_TRUE(RunUntil([&] { return there->done() && back->done(); }))
+      << "there: " << Progress(*there) << "; back: " << Progress(*back);
+  EXPECT_EQ(there->failure, "");
+  EXPECT_EQ(back->failure, "");
+}
+
+// ---- stats ------------------------------------------------------------------------------------------------
+
+TEST_P(TransportConformance, StatsCountMessagesAndBytes) {
+  auto pair = ConnectPair();
+  ASSERT_TRUE(pair.ok()) << pair.status();
+  EXPECT_FALSE(pair->client->peer().empty());
+  EXPECT_FALSE(pair->server->peer().empty());
+  const transport::ConnectionStats client_before = pair->client->stats();
+  const transport::ConnectionStats server_before = pair->server->stats();
+  auto size_of = [](int i) { return size_t{1} + static_cast<size_t>(i * 313 % 3000); };
+  constexpr int kCount = 50;
+  uint64_t bytes = 0;
+  for (int i = 0; i < kCount; ++i) bytes += size_of(i);
+  auto flow = StartFlow(pair->client, pair->server, 111, kCount, 8, size_of);
+  ASSERT_TRUE(RunUntil([&] { return flow->done(); })) << Progress(*flow);
+  ASSERT_EQ(flow->failure, "");
+  const transport::ConnectionStats c = pair->client->stats();
+  const transport::ConnectionStats s = pair->server->stats();
+  EXPECT_EQ(c.messages_sent - client_before.messages_sent, uint64_t{kCount});
+  EXPECT_EQ(c.bytes_sent - client_before.bytes_sent, bytes);
+  EXPECT_EQ(s.messages_received - server_before.messages_received, uint64_t{kCount});
+  EXPECT_EQ(s.bytes_received - server_before.bytes_received, bytes);
+}
+
+}  // namespace rdmarpc::conformance

@@ -1,0 +1,758 @@
+#include "transport/tcp/tcp_transport.h"
+
+#include <algorithm>
+#include <array>
+#include <atomic>
+#include <bit>
+#include <cstring>
+#include <exception>
+#include <limits>
+#include <optional>
+#include <span>
+#include <variant>
+#include <vector>
+
+#include <boost/asio/as_tuple.hpp>
+#include <boost/asio/associated_cancellation_slot.hpp>
+#include <boost/asio/awaitable.hpp>
+#include <boost/asio/bind_allocator.hpp>
+#include <boost/asio/cancellation_type.hpp>
+#include <boost/asio/co_spawn.hpp>
+#include <boost/asio/connect.hpp>
+#include <boost/asio/experimental/awaitable_operators.hpp>
+#include <boost/asio/ip/tcp.hpp>
+#include <boost/asio/read.hpp>
+#include <boost/asio/steady_timer.hpp>
+#include <boost/asio/use_awaitable.hpp>
+#include <boost/asio/write.hpp>
+
+#include "absl/strings/str_cat.h"
+#include "transport/common/log.h"
+#include "transport/completion.h"
+#include "transport/uri.h"
+
+namespace rdmarpc::transport::tcp {
+namespace {
+
+using asio::ip::tcp;
+using boost::system::error_code;
+using ConnectResult = absl::StatusOr<std::unique_ptr<Connection>>;
+
+// Frame header: the payload length, 32-bit little-endian.
+constexpr size_t kHeaderBytes = 4;
+// A send buffer keeps its frame header just in front of the payload, so a
+// queued message is one contiguous iovec and a gather write carries twice as
+// many messages per writev as header+payload pairs would. The payload starts 8
+// bytes in so serialisers writing into data() keep 8-byte alignment.
+constexpr size_t kSendPrefix = 8;
+// Queued sends coalesced into one gather write. Asio hands at most 64 buffers
+// to one writev (buffer_sequence_adapter::max_buffers), so a bigger batch
+// would not save a syscall.
+constexpr size_t kMaxBatch = 64;
+// Smallest pooled buffer. Rounding small messages up to one size class lets a
+// buffer freed by one message serve the next without growing.
+constexpr size_t kMinBufferBytes = 512;
+
+void EncodeLength(uint32_t n, std::byte* out) {
+  for (int i = 0; i < 4; ++i) out[i] = static_cast<std::byte>((n >> (8 * i)) & 0xff);
+}
+
+uint32_t DecodeLength(const std::byte* in) {
+  uint32_t n = 0;
+  for (int i = 0; i < 4; ++i) n |= std::to_integer<uint32_t>(in[i]) << (8 * i);
+  return n;
+}
+
+absl::Status ValidateOptions(const TcpOptions& options) {
+  if (options.max_message_size > std::numeric_limits<uint32_t>::max()) {
+    return absl::InvalidArgumentError(absl::StrCat("TcpOptions.max_message_size ", options.max_message_size,
+                                                   " does not fit the 32-bit frame length (max ",
+                                                   std::numeric_limits<uint32_t>::max(), ")"));
+  }
+  return absl::OkStatus();
+}
+
+std::string TcpUri(const tcp::endpoint& ep) {
+  return Uri{Uri::Scheme::kTcp, ep.address().to_string(), ep.port()}.ToString();
+}
+
+// ---- memory for internal socket operations -----------------------------------
+
+// Storage for the one in-flight internal operation of a chain (the read loop
+// has one, the write chain has one). Asio frees an operation's memory before it
+// calls the completion, so the chain's next operation finds the slot free
+// again and the steady path never goes to the heap (Asio's "allocation"
+// example). An operation that does not fit falls back to the heap.
+class OpMemory {
+ public:
+  OpMemory() = default;
+  OpMemory(const OpMemory&) = delete;
+  OpMemory& operator=(const OpMemory&) = delete;
+
+  void* Allocate(size_t size) {
+    if (!in_use_ && size <= sizeof(storage_)) {
+      in_use_ = true;
+      return storage_;
+    }
+    return ::operator new(size);
+  }
+  void Deallocate(void* p) noexcept {
+    if (p == storage_) {
+      in_use_ = false;
+    } else {
+      ::operator delete(p);
+    }
+  }
+
+ private:
+  // A write op carries Asio's 64-entry prepared buffer array (1 KiB) plus the
+  // composed op and our handler; 2 KiB holds it with room to spare.
+  alignas(std::max_align_t) std::byte storage_[2048];
+  bool in_use_ = false;
+};
+
+template <typename T>
+class OpAllocator {
+ public:
+  using value_type = T;
+  explicit OpAllocator(OpMemory* memory) noexcept : memory_(memory) {}
+  template <typename U>
+  OpAllocator(const OpAllocator<U>& other) noexcept : memory_(other.memory_) {}
+
+  T* allocate(size_t n) { return static_cast<T*>(memory_->Allocate(sizeof(T) * n)); }
+  void deallocate(T* p, size_t) noexcept { memory_->Deallocate(p); }
+  template <typename U>
+  bool operator==(const OpAllocator<U>& other) const noexcept {
+    return memory_ == other.memory_;
+  }
+
+ private:
+  template <typename>
+  friend class OpAllocator;
+  OpMemory* memory_;
+};
+
+template <typename Handler>
+auto WithMemory(OpMemory& memory, Handler&& handler) {
+  return asio::bind_allocator(OpAllocator<void>(&memory), std::forward<Handler>(handler));
+}
+
+// ---- pooled buffers ------------------------------------------------------------
+
+// Receive and send memory of one connection, lent to Messages and SendBuffers
+// and given back through Release(). Returned buffers are kept (up to a count
+// and a size) and reused, so a steady stream of similar messages does not
+// allocate. Thread: the connection's executor.
+class BufferPool final : public BufferOwner {
+ public:
+  struct Lease {
+    std::byte* memory;
+    uint64_t token;
+  };
+
+  BufferPool(size_t keep_count, size_t keep_max_bytes)
+      : keep_count_(keep_count), keep_max_bytes_(keep_max_bytes) {
+    kept_.reserve(keep_count_);
+  }
+  BufferPool(const BufferPool&) = delete;
+  BufferPool& operator=(const BufferPool&) = delete;
+  ~BufferPool() = default;
+
+  // Memory for at least `size` bytes. Allocates only when no kept buffer fits.
+  Lease Acquire(size_t size) {
+    // Best fit: a big buffer is not spent on a small message.
+    size_t best = kept_.size();
+    for (size_t i = 0; i < kept_.size(); ++i) {
+      size_t capacity = slots_[kept_[i]].capacity;
+      if (capacity >= size && (best == kept_.size() || capacity < slots_[kept_[best]].capacity)) best = i;
+    }
+    if (best != kept_.size()) {
+      uint32_t index = kept_[best];
+      kept_[best] = kept_.back();
+      kept_.pop_back();
+      return {slots_[index].memory.get(), index};
+    }
+    uint32_t index;
+    if (!empty_.empty()) {
+      index = empty_.back();
+      empty_.pop_back();
+    } else if (!kept_.empty()) {
+      // Every kept buffer is too small: grow the smallest-numbered one.
+      index = kept_.back();
+      kept_.pop_back();
+    } else {
+      index = static_cast<uint32_t>(slots_.size());
+      slots_.emplace_back();
+      empty_.reserve(slots_.capacity());
+    }
+    Slot& slot = slots_[index];
+    // Sizes we keep are rounded up to a power of two so one buffer serves a
+    // range of message sizes; bigger ones are freed on return, so exact.
+    size_t capacity = size <= keep_max_bytes_ ? std::max(kMinBufferBytes, std::bit_ceil(size)) : size;
+    slot.memory = std::make_unique_for_overwrite<std::byte[]>(capacity);
+    slot.capacity = capacity;
+    return {slot.memory.get(), index};
+  }
+
+  std::byte* memory(uint64_t token) const { return slots_[token].memory.get(); }
+  size_t lent() const { return slots_.size() - kept_.size() - empty_.size(); }
+
+  void Release(uint64_t token) noexcept override {
+    Slot& slot = slots_[token];
+    if (slot.capacity <= keep_max_bytes_ && kept_.size() < keep_count_) {
+      kept_.push_back(static_cast<uint32_t>(token));
+    } else {
+      slot.memory.reset();
+      slot.capacity = 0;
+      empty_.push_back(static_cast<uint32_t>(token));
+    }
+  }
+
+ private:
+  struct Slot {
+    std::unique_ptr<std::byte[]> memory;
+    size_t capacity = 0;
+  };
+  const size_t keep_count_;
+  const size_t keep_max_bytes_;
+  std::vector<Slot> slots_;      // Index = token.
+  std::vector<uint32_t> kept_;   // Free slots holding memory.
+  std::vector<uint32_t> empty_;  // Free slots without memory.
+};
+
+// ---- a FIFO that does not allocate once warm ----------------------------------
+
+// Elements are only move-constructed and destroyed, never move-assigned: in
+// Asio 1.81 any_completion_handler's move assignment wraps the source instead
+// of moving it (fixed in 1.82). Unlike std::deque, which frees and allocates
+// blocks as a FIFO walks through it, push/pop never allocate after warm-up.
+template <typename T>
+class Fifo {
+ public:
+  bool empty() const { return size_ == 0; }
+  size_t size() const { return size_; }
+  T& front() { return *slots_[head_]; }
+  T& operator[](size_t i) { return *slots_[(head_ + i) % slots_.size()]; }
+
+  void push_back(T&& value) {
+    if (size_ == slots_.size()) Grow();
+    slots_[(head_ + size_) % slots_.size()].emplace(std::move(value));
+    ++size_;
+  }
+  void pop_front() {
+    slots_[head_].reset();
+    head_ = (head_ + 1) % slots_.size();
+    --size_;
+  }
+
+ private:
+  void Grow() {
+    std::vector<std::optional<T>> bigger(std::max<size_t>(8, slots_.size() * 2));
+    for (size_t i = 0; i < size_; ++i) bigger[i].emplace(std::move((*this)[i]));
+    slots_.swap(bigger);
+    head_ = 0;
+  }
+
+  std::vector<std::optional<T>> slots_;
+  size_t head_ = 0;
+  size_t size_ = 0;
+};
+
+// ---- one connection ------------------------------------------------------------
+
+// Everything a connection owns that its in-flight socket operations touch. The
+// operations hold a shared_ptr, so the core outlives the public TcpConnection
+// until they have completed (after Close() they complete promptly with
+// operation_aborted). Thread: the connection's executor, except stats().
+class ConnectionCore final : public std::enable_shared_from_this<ConnectionCore> {
+ public:
+  ConnectionCore(tcp::socket socket, std::string peer, const TcpOptions& options)
+      : ex_(socket.get_executor()),
+        options_(options),
+        socket_(std::move(socket)),
+        peer_(std::move(peer)),
+        pool_(options.pooled_buffers, options.pooled_buffer_max_bytes) {
+    in_flight_.reserve(kMaxBatch);
+  }
+  ConnectionCore(const ConnectionCore&) = delete;
+  ConnectionCore& operator=(const ConnectionCore&) = delete;
+
+  ~ConnectionCore() {
+    // Messages and SendBuffers point at pool_; outliving the connection is a
+    // caller bug (transport.h) that would otherwise be a silent use-after-free.
+    body_.Reset();
+    while (!ready_.empty()) ready_.pop_front();
+    size_t lent = pool_.lent() - in_flight_.size() - send_queue_.size();
+    if (lent != 0) {
+      RDMARPC_LOG(kError, "tcp", "event=buffers_outstanding peer=", peer_, " count=", lent,
+                  " reason=Messages or SendBuffers outlive their connection");
+    }
+  }
+
+  const asio::any_io_executor& executor() const { return ex_; }
+  size_t max_message_size() const { return options_.max_message_size; }
+  const std::string& peer() const { return peer_; }
+
+  void Start() { ReadHeader(); }
+
+  absl::StatusOr<SendBuffer> Prepare(size_t size) {
+    if (size > options_.max_message_size) {
+      return absl::ResourceExhaustedError(absl::StrCat("message of ", size, " bytes exceeds max_message_size ",
+                                                       options_.max_message_size, " of the connection to ",
+                                                       peer_));
+    }
+    BufferPool::Lease lease = pool_.Acquire(kSendPrefix + size);
+    return SendBuffer(std::span<std::byte>(lease.memory + kSendPrefix, size), &pool_, lease.token);
+  }
+
+  void Send(SendBuffer buffer, SendHandler handler) {
+    if (buffer.owner() != &pool_) {
+      PostCompletion(ex_, std::move(handler),
+                     absl::InvalidArgumentError("Send() takes a SendBuffer from this connection's Prepare()"));
+      return;
+    }
+    if (!status_.ok()) {
+      PostCompletion(ex_, std::move(handler), status_);
+      return;
+    }
+    const size_t size = buffer.size();
+    const uint64_t token = buffer.Detach();
+    EncodeLength(static_cast<uint32_t>(size), pool_.memory(token) + kSendPrefix - kHeaderBytes);
+    send_queue_.push_back(PendingSend{token, size, std::move(handler)});
+    if (!writing_) WriteBatch();
+  }
+
+  void Receive(ReceiveHandler handler) {
+    if (!ready_.empty()) {
+      Message message = std::move(ready_.front());
+      ready_.pop_front();
+      ready_bytes_ -= message.size();
+      if (!reading_ && status_.ok() && HasQueueRoom()) ReadHeader();
+      PostCompletion(ex_, std::move(handler), absl::StatusOr<Message>(std::move(message)));
+      return;
+    }
+    if (!status_.ok()) {
+      PostCompletion(ex_, std::move(handler), absl::StatusOr<Message>(status_));
+      return;
+    }
+    const uint64_t id = next_receive_id_++;
+    auto slot = asio::get_associated_cancellation_slot(handler);
+    if (slot.is_connected()) slot.emplace<ReceiveCanceller>(weak_from_this(), id);
+    receivers_.push_back(PendingReceive{std::move(handler), id});
+  }
+
+  void Close() {
+    if (closed_) return;
+    closed_ = true;
+    status_ = absl::CancelledError(absl::StrCat("connection to ", peer_, " was closed locally"));
+    ShutDownSocket();
+    FailWaiting();
+    // Close() means the application is done: messages nobody received go back.
+    while (!ready_.empty()) ready_.pop_front();
+    ready_bytes_ = 0;
+  }
+
+  ConnectionStats stats() const {
+    ConnectionStats s;
+    s.messages_sent = messages_sent_.load(std::memory_order_relaxed);
+    s.messages_received = messages_received_.load(std::memory_order_relaxed);
+    s.bytes_sent = bytes_sent_.load(std::memory_order_relaxed);
+    s.bytes_received = bytes_received_.load(std::memory_order_relaxed);
+    return s;
+  }
+
+ private:
+  struct PendingSend {
+    uint64_t token;
+    size_t size;
+    SendHandler handler;
+  };
+  // A handler whose Receive() was cancelled stays in the FIFO, empty, until it
+  // reaches the front (removing from the middle would need move assignment).
+  struct PendingReceive {
+    ReceiveHandler handler;
+    uint64_t id;
+  };
+
+  // Installed in a Receive() handler's cancellation slot. Holds the core
+  // weakly: Asio keeps a slot's handler installed until the slot is reused,
+  // which may be after the connection is gone.
+  struct ReceiveCanceller {
+    std::weak_ptr<ConnectionCore> core;
+    uint64_t id;
+    void operator()(asio::cancellation_type type) const {
+      if (type == asio::cancellation_type::none) return;
+      if (auto c = core.lock()) c->CancelReceive(id);
+    }
+  };
+
+  bool HasQueueRoom() const {
+    return ready_.empty() ||
+           (ready_.size() < options_.max_queued_messages && ready_bytes_ < options_.max_queued_bytes);
+  }
+
+  // ---- receive path
+
+  void ReadHeader() {
+    reading_ = true;
+    asio::async_read(socket_, asio::buffer(header_),
+                     WithMemory(read_memory_, [self = shared_from_this()](error_code ec, size_t) {
+                       self->OnHeader(ec);
+                     }));
+  }
+
+  void OnHeader(error_code ec) {
+    if (ec || !status_.ok()) return OnReadError(ec);
+    const uint32_t size = DecodeLength(header_.data());
+    if (size > options_.max_message_size) {
+      reading_ = false;
+      RDMARPC_LOG(kWarn, "tcp", "event=bad_frame peer=", peer_, " length=", size,
+                  " limit=", options_.max_message_size);
+      Fail(absl::UnavailableError(absl::StrCat("peer ", peer_, " sent a ", size, "-byte frame, limit ",
+                                               options_.max_message_size, "; connection closed")));
+      return;
+    }
+    if (size == 0) return Deliver(Message());
+    BufferPool::Lease lease = pool_.Acquire(size);
+    // Owned as a Message from here on, so a failed read gives the buffer back.
+    body_ = Message(std::span<const std::byte>(lease.memory, size), &pool_, lease.token);
+    asio::async_read(socket_, asio::buffer(lease.memory, size),
+                     WithMemory(read_memory_, [self = shared_from_this()](error_code body_ec, size_t) {
+                       self->OnBody(body_ec);
+                     }));
+  }
+
+  void OnBody(error_code ec) {
+    if (ec || !status_.ok()) {
+      body_.Reset();
+      return OnReadError(ec);
+    }
+    Deliver(std::move(body_));
+  }
+
+  void OnReadError(error_code ec) {
+    reading_ = false;
+    if (!status_.ok()) return;  // Closed or failed already; this is the consequence.
+    if (ec == asio::error::eof) {
+      Fail(absl::UnavailableError(absl::StrCat("peer ", peer_, " closed the connection")));
+    } else {
+      Fail(absl::UnavailableError(absl::StrCat("read from ", peer_, " failed: ", ec.message())));
+    }
+  }
+
+  void Deliver(Message message) {
+    messages_received_.fetch_add(1, std::memory_order_relaxed);
+    bytes_received_.fetch_add(message.size(), std::memory_order_relaxed);
+    if (std::optional<ReceiveHandler> receiver = PopReceiver()) {
+      CompleteReceive(std::move(*receiver), std::move(message));
+    } else {
+      ready_bytes_ += message.size();
+      ready_.push_back(std::move(message));
+    }
+    if (HasQueueRoom()) {
+      ReadHeader();
+    } else {
+      reading_ = false;  // Receive() resumes once the application catches up.
+    }
+  }
+
+  std::optional<ReceiveHandler> PopReceiver() {
+    while (!receivers_.empty()) {
+      PendingReceive& front = receivers_.front();
+      if (front.handler) {
+        std::optional<ReceiveHandler> handler(std::move(front.handler));
+        receivers_.pop_front();
+        return handler;
+      }
+      receivers_.pop_front();
+    }
+    return std::nullopt;
+  }
+
+  void CompleteReceive(ReceiveHandler handler, absl::StatusOr<Message> result) {
+    // Detach our canceller so a late emit() cannot reach this operation.
+    auto slot = asio::get_associated_cancellation_slot(handler);
+    if (slot.is_connected()) slot.clear();
+    PostCompletion(ex_, std::move(handler), std::move(result));
+  }
+
+  // Runs inside the cancellation slot's handler, so it must not clear the slot.
+  void CancelReceive(uint64_t id) {
+    for (size_t i = 0; i < receivers_.size(); ++i) {
+      PendingReceive& r = receivers_[i];
+      if (r.id != id || !r.handler) continue;
+      ReceiveHandler handler(std::move(r.handler));
+      PostCompletion(ex_, std::move(handler), absl::StatusOr<Message>(absl::CancelledError("Receive() cancelled")));
+      break;
+    }
+    while (!receivers_.empty() && !receivers_.front().handler) receivers_.pop_front();
+  }
+
+  // ---- send path
+
+  void WriteBatch() {
+    writing_ = true;
+    size_t n = 0;
+    while (!send_queue_.empty() && n < kMaxBatch) {
+      PendingSend& s = send_queue_.front();
+      iov_[n++] = asio::const_buffer(pool_.memory(s.token) + kSendPrefix - kHeaderBytes, kHeaderBytes + s.size);
+      in_flight_.push_back(std::move(s));
+      send_queue_.pop_front();
+    }
+    asio::async_write(socket_, BufferView{iov_.data(), iov_.data() + n},
+                      WithMemory(write_memory_, [self = shared_from_this()](error_code ec, size_t) {
+                        self->OnWritten(ec);
+                      }));
+  }
+
+  void OnWritten(error_code ec) {
+    if (ec && status_.ok()) {
+      Fail(absl::UnavailableError(absl::StrCat("write to ", peer_, " failed: ", ec.message())));
+    }
+    // OK unless the connection failed or was closed meanwhile (then the
+    // contract says the pending send completes with that status).
+    const absl::Status result = status_;
+    for (PendingSend& s : in_flight_) {
+      pool_.Release(s.token);
+      if (result.ok()) {
+        messages_sent_.fetch_add(1, std::memory_order_relaxed);
+        bytes_sent_.fetch_add(s.size, std::memory_order_relaxed);
+      }
+      PostCompletion(ex_, std::move(s.handler), result);
+    }
+    in_flight_.clear();
+    writing_ = false;
+    if (status_.ok() && !send_queue_.empty()) WriteBatch();
+  }
+
+  // ---- failure
+
+  // A transport failure: later operations fail with `status`. Messages that
+  // arrived before it stay receivable.
+  void Fail(absl::Status status) {
+    status_ = std::move(status);
+    RDMARPC_LOG(kInfo, "tcp", "event=connection_failed peer=", peer_, " reason=", status_.message());
+    ShutDownSocket();
+    FailWaiting();
+  }
+
+  // In-flight socket operations complete with operation_aborted and see status_.
+  void ShutDownSocket() {
+    error_code ignored;
+    socket_.shutdown(tcp::socket::shutdown_both, ignored);  // The peer sees EOF, not a silent stall.
+    socket_.close(ignored);
+  }
+
+  void FailWaiting() {
+    while (std::optional<ReceiveHandler> receiver = PopReceiver()) {
+      CompleteReceive(std::move(*receiver), status_);
+    }
+    while (!send_queue_.empty()) {
+      PendingSend& s = send_queue_.front();
+      pool_.Release(s.token);
+      PostCompletion(ex_, std::move(s.handler), status_);
+      send_queue_.pop_front();
+    }
+  }
+
+  // A buffer sequence over iov_ that async_write can copy without allocating.
+  struct BufferView {
+    using value_type = asio::const_buffer;
+    using const_iterator = const asio::const_buffer*;
+    const asio::const_buffer* first;
+    const asio::const_buffer* last;
+    const_iterator begin() const { return first; }
+    const_iterator end() const { return last; }
+  };
+
+  // Declaration order is construction order; destruction runs backwards, so
+  // everything holding pool_ buffers (body_, ready_) goes before pool_.
+  asio::any_io_executor ex_;
+  const TcpOptions options_;
+  tcp::socket socket_;
+  const std::string peer_;
+  BufferPool pool_;
+  OpMemory read_memory_;
+  OpMemory write_memory_;
+
+  // Receive path.
+  std::array<std::byte, kHeaderBytes> header_{};
+  Message body_;                  // The frame being read.
+  Fifo<Message> ready_;           // Received, waiting for Receive().
+  size_t ready_bytes_ = 0;
+  Fifo<PendingReceive> receivers_;  // Receive()s waiting for a message.
+  uint64_t next_receive_id_ = 1;
+  bool reading_ = false;
+
+  // Send path.
+  Fifo<PendingSend> send_queue_;
+  std::vector<PendingSend> in_flight_;  // The batch being written.
+  std::array<asio::const_buffer, kMaxBatch> iov_{};
+  bool writing_ = false;
+
+  // OK while usable; the first failure, or CANCELLED after Close().
+  absl::Status status_;
+  bool closed_ = false;
+
+  std::atomic<uint64_t> messages_sent_{0};
+  std::atomic<uint64_t> messages_received_{0};
+  std::atomic<uint64_t> bytes_sent_{0};
+  std::atomic<uint64_t> bytes_received_{0};
+};
+
+class TcpConnection final : public Connection {
+ public:
+  explicit TcpConnection(std::shared_ptr<ConnectionCore> core) : core_(std::move(core)) {}
+  // Closing here (idempotent) cancels the socket operations that keep core_
+  // alive, so it is freed soon after, once they have run.
+  ~TcpConnection() override { core_->Close(); }
+
+  asio::any_io_executor get_executor() const override { return core_->executor(); }
+  size_t max_message_size() const override { return core_->max_message_size(); }
+  std::string peer() const override { return core_->peer(); }
+  absl::StatusOr<SendBuffer> Prepare(size_t size) override { return core_->Prepare(size); }
+  void Send(SendBuffer buffer, SendHandler handler) override { core_->Send(std::move(buffer), std::move(handler)); }
+  void Receive(ReceiveHandler handler) override { core_->Receive(std::move(handler)); }
+  void Close() override { core_->Close(); }
+  ConnectionStats stats() const override { return core_->stats(); }
+
+ private:
+  std::shared_ptr<ConnectionCore> core_;
+};
+
+ConnectResult MakeConnection(tcp::socket socket, const TcpOptions& options) {
+  error_code ec;
+  socket.set_option(tcp::no_delay(true), ec);
+  if (ec) return absl::UnavailableError(absl::StrCat("setting TCP_NODELAY failed: ", ec.message()));
+  tcp::endpoint remote = socket.remote_endpoint(ec);
+  if (ec) return absl::UnavailableError(absl::StrCat("peer left during connection setup: ", ec.message()));
+  auto core = std::make_shared<ConnectionCore>(std::move(socket), TcpUri(remote), options);
+  core->Start();
+  return std::unique_ptr<Connection>(new TcpConnection(std::move(core)));
+}
+
+// ---- listener ------------------------------------------------------------------
+
+class TcpListener final : public Listener {
+ public:
+  TcpListener(tcp::acceptor acceptor, std::string uri, const TcpOptions& options)
+      : core_(std::make_shared<Core>(std::move(acceptor), std::move(uri), options)) {}
+  ~TcpListener() override { Close(); }
+
+  void Accept(AcceptHandler handler) override {
+    const asio::any_io_executor ex = core_->acceptor.get_executor();
+    if (core_->closed) {
+      PostCompletion(ex, std::move(handler), ConnectResult(absl::CancelledError("listener was closed")));
+      return;
+    }
+    // The accept holds the core, so destroying the listener with an accept
+    // pending is safe: the accept completes CANCELLED.
+    core_->acceptor.async_accept([core = core_, ex, h = std::move(handler)](error_code ec, tcp::socket socket) mutable {
+      if (ec == asio::error::operation_aborted || (ec && core->closed)) {
+        PostCompletion(ex, std::move(h), ConnectResult(absl::CancelledError("listener was closed")));
+      } else if (ec) {
+        RDMARPC_LOG(kWarn, "tcp", "event=accept_failed listener=", core->uri, " reason=", ec.message());
+        PostCompletion(ex, std::move(h),
+                       ConnectResult(absl::UnavailableError(
+                           absl::StrCat("accept on ", core->uri, " failed: ", ec.message()))));
+      } else {
+        PostCompletion(ex, std::move(h), MakeConnection(std::move(socket), core->options));
+      }
+    });
+  }
+
+  std::string local_uri() const override { return core_->uri; }
+
+  void Close() override {
+    if (core_->closed) return;
+    core_->closed = true;
+    error_code ignored;
+    core_->acceptor.close(ignored);
+  }
+
+ private:
+  struct Core {
+    Core(tcp::acceptor a, std::string u, const TcpOptions& o)
+        : acceptor(std::move(a)), uri(std::move(u)), options(o) {}
+    tcp::acceptor acceptor;
+    const std::string uri;
+    const TcpOptions options;
+    bool closed = false;
+  };
+  std::shared_ptr<Core> core_;
+};
+
+// ---- connect -------------------------------------------------------------------
+
+asio::awaitable<error_code> ResolveAndConnect(tcp::resolver& resolver, tcp::socket& socket, std::string host,
+                                              uint16_t port) {
+  auto [resolve_ec, endpoints] =
+      co_await resolver.async_resolve(host, std::to_string(port), asio::as_tuple(asio::use_awaitable));
+  if (resolve_ec) co_return resolve_ec;
+  auto [connect_ec, endpoint] = co_await asio::async_connect(socket, endpoints, asio::as_tuple(asio::use_awaitable));
+  co_return connect_ec;
+}
+
+asio::awaitable<ConnectResult> ConnectTask(asio::any_io_executor ex, std::string host, uint16_t port,
+                                           TcpOptions options) {
+  using namespace asio::experimental::awaitable_operators;
+  const std::string target = Uri{Uri::Scheme::kTcp, host, port}.ToString();
+  tcp::resolver resolver(ex);
+  tcp::socket socket(ex);
+  asio::steady_timer deadline(ex, options.connect_timeout);
+  // Whichever finishes first cancels the other.
+  auto outcome = co_await (ResolveAndConnect(resolver, socket, host, port) ||
+                           deadline.async_wait(asio::as_tuple(asio::use_awaitable)));
+  if (outcome.index() == 1) {
+    co_return absl::DeadlineExceededError(
+        absl::StrCat("connect to ", target, " timed out after ", options.connect_timeout.count(), " ms"));
+  }
+  if (error_code ec = std::get<0>(outcome)) {
+    co_return absl::UnavailableError(absl::StrCat("connect to ", target, " failed: ", ec.message()));
+  }
+  co_return MakeConnection(std::move(socket), options);
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<Listener>> Listen(asio::any_io_executor ex, const std::string& host, uint16_t port,
+                                                 TcpOptions options) {
+  if (absl::Status s = ValidateOptions(options); !s.ok()) return s;
+  const std::string target = Uri{Uri::Scheme::kTcp, host, port}.ToString();
+  error_code ec;
+  tcp::resolver resolver(ex);
+  auto endpoints = resolver.resolve(host, std::to_string(port), tcp::resolver::passive | tcp::resolver::numeric_service, ec);
+  if (ec || endpoints.empty()) {
+    return absl::InvalidArgumentError(absl::StrCat("cannot listen on ", target, ": address does not resolve (",
+                                                   ec ? ec.message() : "no addresses", ")"));
+  }
+  const tcp::endpoint endpoint = endpoints.begin()->endpoint();
+  tcp::acceptor acceptor(ex);
+  auto fail = [&](absl::string_view step) {
+    return absl::UnavailableError(absl::StrCat("cannot listen on ", target, ": ", step, ": ", ec.message()));
+  };
+  if (acceptor.open(endpoint.protocol(), ec); ec) return fail("socket");
+  // Restarted servers rebind at once instead of waiting out TIME_WAIT.
+  if (acceptor.set_option(tcp::acceptor::reuse_address(true), ec); ec) return fail("SO_REUSEADDR");
+  if (acceptor.bind(endpoint, ec); ec) return fail("bind");
+  if (acceptor.listen(tcp::acceptor::max_listen_connections, ec); ec) return fail("listen");
+  const tcp::endpoint local = acceptor.local_endpoint(ec);
+  if (ec) return fail("getsockname");
+  return std::unique_ptr<Listener>(new TcpListener(std::move(acceptor), TcpUri(local), options));
+}
+
+void Connect(asio::any_io_executor ex, const std::string& host, uint16_t port, TcpOptions options,
+             ConnectHandler handler) {
+  if (absl::Status s = ValidateOptions(options); !s.ok()) {
+    PostCompletion(ex, std::move(handler), ConnectResult(std::move(s)));
+    return;
+  }
+  asio::co_spawn(ex, ConnectTask(ex, host, port, options),
+                 [ex, h = std::move(handler)](std::exception_ptr e, ConnectResult result) mutable {
+                   // Only an allocation failure can throw in there.
+                   if (e) result = absl::ResourceExhaustedError("connect failed: out of memory");
+                   PostCompletion(ex, std::move(h), std::move(result));
+                 });
+}
+
+}  // namespace rdmarpc::transport::tcp

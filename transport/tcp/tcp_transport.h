@@ -1,0 +1,100 @@
+// The TCP backend of the transport seam: the same message contract as RDMA
+// (transport/transport.h), carried over Asio stream sockets so that everything
+// above the seam runs where there is no RDMA NIC, and so the benchmark has a
+// baseline.
+//
+// Wire: every message is one frame, a 4-byte little-endian payload length
+// followed by the payload. A frame longer than max_message_size from the peer
+// ends that connection (logged as event=bad_frame) and fails its operations
+// with UNAVAILABLE; other connections are unaffected.
+//
+// Threads: a connection (and a listener) is used from its executor -- one
+// thread running the io_context, or a strand. Every call (Prepare, Send,
+// Receive, Close, destroying a Message or SendBuffer of the connection,
+// emitting a Receive's cancellation signal) must be made there; only stats()
+// may be read from anywhere. Accepted connections get the listener's executor
+// (pass a strand to Listen() when several threads run the io_context).
+// Completion handlers run on their associated executor (default: the
+// connection's), never inside the call that started the operation.
+//
+// Lifetimes (beyond transport.h): destroying a connection closes it, and the
+// socket operations still in flight keep its internals alive until they have
+// completed, so destroying it with operations pending is safe as long as the
+// io_context outlives it; their handlers complete CANCELLED. Messages and
+// SendBuffers must still be released first.
+//
+// Memory: one read loop per connection reads each frame straight into a
+// pooled buffer that the delivered Message points at; send buffers from
+// Prepare() come from the same pool, so after warm-up the steady path does not
+// allocate in this backend.
+#pragma once
+
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <utility>
+
+#include <boost/asio/any_completion_handler.hpp>
+#include <boost/asio/any_io_executor.hpp>
+#include <boost/asio/async_result.hpp>
+
+#include "absl/status/statusor.h"
+#include "transport/transport.h"
+
+namespace rdmarpc::transport::tcp {
+
+namespace asio = boost::asio;
+
+struct TcpOptions {
+  // Largest message either side may send. A peer's larger frame ends the
+  // connection. 64 MiB: large enough for any RPC payload we expect, small
+  // enough that a hostile length prefix cannot make us allocate gigabytes. Must
+  // fit the 32-bit length prefix.
+  size_t max_message_size = size_t{64} << 20;
+  // Received messages waiting for a Receive() before the read loop stops
+  // reading the socket; TCP flow control then slows the sender instead of our
+  // queue growing without bound. At least one message is always read.
+  size_t max_queued_messages = 1024;
+  size_t max_queued_bytes = size_t{64} << 20;
+  // Free buffers a connection keeps for reuse, and the largest buffer it keeps:
+  // enough to cover a pipeline of small and medium messages without touching
+  // the heap, without pinning tens of MiB per connection after one big
+  // transfer (bigger buffers are freed when they come back).
+  size_t pooled_buffers = 64;
+  size_t pooled_buffer_max_bytes = size_t{1} << 20;
+  // Bound for resolve + connect. The kernel's own SYN retry limit is about two
+  // minutes, far too long for a caller that wants to fail over.
+  std::chrono::milliseconds connect_timeout{10'000};
+};
+
+// Binds and listens on host:port (port 0: the kernel picks; local_uri() then
+// reports the real one). `host` may be a numeric address or a name; the first
+// address it resolves to is used. Errors name the endpoint and the reason.
+absl::StatusOr<std::unique_ptr<Listener>> Listen(asio::any_io_executor ex, const std::string& host,
+                                                 uint16_t port, TcpOptions options = {});
+
+using ConnectHandler = asio::any_completion_handler<void(absl::StatusOr<std::unique_ptr<Connection>>)>;
+
+// Resolves host, connects (TCP_NODELAY set) and completes with the connection,
+// whose executor is `ex`. Failures: UNAVAILABLE (unresolvable, refused,
+// unreachable), DEADLINE_EXCEEDED (connect_timeout), INVALID_ARGUMENT (bad
+// options). The handler runs on its associated executor, never inline. Not
+// cancellable; connect_timeout bounds it.
+void Connect(asio::any_io_executor ex, const std::string& host, uint16_t port, TcpOptions options,
+             ConnectHandler handler);
+
+// Connect() for any completion token (use_awaitable, deferred, use_future, a
+// callback).
+template <typename Token>
+auto AsyncConnect(asio::any_io_executor ex, const std::string& host, uint16_t port,
+                  TcpOptions options, Token&& token) {
+  return asio::async_initiate<Token, void(absl::StatusOr<std::unique_ptr<Connection>>)>(
+      [](auto handler, asio::any_io_executor e, const std::string& h, uint16_t p, TcpOptions o) {
+        Connect(std::move(e), h, p, std::move(o), std::move(handler));
+      },
+      token, std::move(ex), host, port, std::move(options));
+}
+
+}  // namespace rdmarpc::transport::tcp
