@@ -58,11 +58,11 @@ TEST(Wire, RejectsMalformedFrames) {
 
 TEST(Wire, HelloValidatesThePeer) {
   std::vector<std::byte> b(wire::kHelloSize);
-  wire::EncodeHello({64, 2, 4096 + 16, 1u << 26}, b.data());
+  wire::EncodeHello({64, 3, 4096 + 16, 1u << 26}, b.data());
   auto h = wire::DecodeHello(b);
   ASSERT_TRUE(h.ok()) << h.status();
   EXPECT_EQ(h->recv_data, 64);
-  EXPECT_EQ(h->recv_ctrl, 2);
+  EXPECT_EQ(h->recv_ctrl, 3);
   EXPECT_EQ(h->recv_slot_bytes, 4096u + 16);
   EXPECT_EQ(h->max_message, 1u << 26);
   EXPECT_FALSE(wire::DecodeHello(std::span(b).first(10)).ok());
@@ -71,104 +71,134 @@ TEST(Wire, HelloValidatesThePeer) {
 }
 
 TEST(Credits, PeerReturningMoreThanOutstandingIsAProtocolError) {
-  CreditLedger l(8, 2, 8);
+  CreditLedger l(8, 2, 8, 2);
   EXPECT_FALSE(l.OnReturned(1, 0).ok());
   l.ConsumeData();
   EXPECT_TRUE(l.OnReturned(1, 0).ok());
   EXPECT_FALSE(l.OnReturned(0, 1).ok());
 }
 
+TEST(Credits, RendezvousKeepsTheLastTwoCtrlCreditsForCreditFrames) {
+  CreditLedger l(8, 4, 8, 4);
+  EXPECT_TRUE(l.CanSendRendezvous());
+  l.ConsumeRendezvous();
+  EXPECT_TRUE(l.CanSendRendezvous());
+  l.ConsumeRendezvous();
+  EXPECT_FALSE(l.CanSendRendezvous());  // Two left: reserved for CREDIT frames.
+  l.OnReposted(CreditLedger::Kind::kData);
+  EXPECT_TRUE(l.WantsCreditFrame(/*blocked=*/true));
+}
+
 // Two endpoints exchanging frames through in-flight queues. Each side posts
-// R data + C ctrl receives; the application releases received messages after
-// a random delay. Invariants: nobody ever sends without a credit (a RECV is
-// always waiting: no RNR), every message is delivered, and the run ends (no
-// deadlock), for one-way and two-way traffic.
+// R data + C ctrl receives. Data frames wait for the application, which
+// releases them after a random delay; rendezvous frames (CTS/WRITE) and
+// CREDIT frames are reposted on arrival. Invariants: nobody ever sends
+// without a RECV of the right kind posted (no RNR), every message and every
+// rendezvous frame is delivered, and the run ends (no deadlock).
 struct Side {
-  Side(uint16_t r, uint16_t c) : ledger(r, c, r), posted_data(r), posted_ctrl(c) {}
+  Side(uint16_t r, uint16_t c) : ledger(r, c, r, c), posted_data(r), posted_ctrl(c) {}
   CreditLedger ledger;
   int posted_data, posted_ctrl;  // RECVs available to the peer (ground truth).
-  int to_send = 0, delivered = 0, credit_frames = 0;
-  std::deque<bool> held;  // Consumed RECVs not yet reposted (true = CREDIT frame).
+  int to_send = 0, rdv_to_send = 0, delivered = 0, rdv_delivered = 0, credit_frames = 0;
+  std::deque<int> held;  // Data RECVs consumed, not yet released by the application.
+  bool Blocked() const {
+    return (to_send > 0 && !ledger.CanSendData()) || (rdv_to_send > 0 && !ledger.CanSendRendezvous());
+  }
 };
 
+enum class FrameKind { kData, kRendezvous, kCredit };
 struct InFlight {
-  bool credit_frame;
+  FrameKind kind;
   CreditLedger::Owed owed;
 };
 
-void Simulate(int a_msgs, int b_msgs, uint16_t r, uint16_t c, uint32_t seed) {
+void Simulate(int a_msgs, int b_msgs, int a_rdv, int b_rdv, uint16_t r, uint16_t c, uint32_t seed) {
   Side s[2] = {Side(r, c), Side(r, c)};
   s[0].to_send = a_msgs;
   s[1].to_send = b_msgs;
+  s[0].rdv_to_send = a_rdv;
+  s[1].rdv_to_send = b_rdv;
   std::deque<InFlight> wire[2];  // wire[i]: frames travelling from i to 1-i.
   std::mt19937 rng(seed);
-  for (int step = 0; step < 10'000'000; ++step) {
+  auto finished = [&] {
+    return s[0].to_send == 0 && s[1].to_send == 0 && s[0].rdv_to_send == 0 && s[1].rdv_to_send == 0 &&
+           wire[0].empty() && wire[1].empty() && s[0].delivered == b_msgs && s[1].delivered == a_msgs;
+  };
+  for (int step = 0; step < 10'000'000 && !finished(); ++step) {
     const int i = static_cast<int>(rng() % 2);
     Side& me = s[i];
     Side& peer = s[1 - i];
-    switch (rng() % 4) {
-      case 0:  // Application sends a message if a credit allows.
+    switch (rng() % 5) {
+      case 0:  // A message (DATA/RTS) if a data credit allows.
         if (me.to_send > 0 && me.ledger.CanSendData()) {
           me.ledger.ConsumeData();
-          ASSERT_GT(peer.posted_data + peer.posted_ctrl, 0) << "SEND without a posted RECV";
-          wire[i].push_back({false, me.ledger.TakeOwed()});
+          wire[i].push_back({FrameKind::kData, me.ledger.TakeOwed()});
           --me.to_send;
         }
         break;
-      case 1:  // A frame arrives at the peer (consumes one of its RECVs).
+      case 1:  // A rendezvous frame (CTS/WRITE_WITH_IMM).
+        if (me.rdv_to_send > 0 && me.ledger.CanSendRendezvous()) {
+          me.ledger.ConsumeRendezvous();
+          wire[i].push_back({FrameKind::kRendezvous, me.ledger.TakeOwed()});
+          --me.rdv_to_send;
+        }
+        break;
+      case 2:  // A frame arrives at the peer and consumes one of its RECVs.
         if (!wire[i].empty()) {
           InFlight f = wire[i].front();
           wire[i].pop_front();
-          int& pool = f.credit_frame ? peer.posted_ctrl : peer.posted_data;
-          ASSERT_GT(pool, 0) << "frame arrived with no RECV of its kind posted: RNR";
+          int& pool = f.kind == FrameKind::kData ? peer.posted_data : peer.posted_ctrl;
+          ASSERT_GT(pool, 0) << "frame arrived with no RECV of its kind posted: RNR (seed " << seed << ")";
           --pool;
-          if (f.credit_frame) {
-            // The transport reposts a CREDIT frame's RECV at once; only
-            // messages wait for the application.
-            ++pool;
-            peer.ledger.OnReposted(true);
-          } else {
-            peer.held.push_back(false);
-            ++peer.delivered;
-          }
           ASSERT_TRUE(peer.ledger.OnReturned(f.owed.data, f.owed.ctrl).ok());
+          if (f.kind == FrameKind::kData) {
+            peer.held.push_back(0);
+            ++peer.delivered;
+          } else {  // The transport reposts at once.
+            ++pool;
+            peer.ledger.OnReposted(CreditLedger::Kind::kCtrl);
+            if (f.kind == FrameKind::kRendezvous) ++peer.rdv_delivered;
+          }
         }
         break;
-      case 2:  // Application releases a message: RECV reposted, credit owed.
+      case 3:  // The application releases a message: RECV reposted, credit owed.
         if (!me.held.empty()) {
-          bool credit_frame = me.held.front();
           me.held.pop_front();
-          (credit_frame ? me.posted_ctrl : me.posted_data)++;
-          me.ledger.OnReposted(credit_frame);
+          ++me.posted_data;
+          me.ledger.OnReposted(CreditLedger::Kind::kData);
         }
         break;
-      case 3:  // Idle: the transport returns credits if nothing else will.
-        if (me.ledger.WantsCreditFrame(me.to_send > 0 && !me.ledger.CanSendData()) &&
-            !(me.to_send > 0 && me.ledger.CanSendData())) {
-          me.ledger.ConsumeCtrl();
-          wire[i].push_back({true, me.ledger.TakeOwed()});
+      case 4:  // The transport returns credits if the rules say so.
+        if (me.ledger.WantsCreditFrame(me.Blocked())) {
+          me.ledger.ConsumeCreditFrame(me.Blocked());
+          wire[i].push_back({FrameKind::kCredit, me.ledger.TakeOwed()});
           ++me.credit_frames;
         }
         break;
     }
-    if (s[0].to_send == 0 && s[1].to_send == 0 && wire[0].empty() && wire[1].empty() &&
-        s[0].delivered == b_msgs && s[1].delivered == a_msgs)
-      break;
   }
-  EXPECT_EQ(s[1].delivered, a_msgs) << "deadlock: A's messages stuck (seed " << seed << ")";
-  EXPECT_EQ(s[0].delivered, b_msgs) << "deadlock: B's messages stuck (seed " << seed << ")";
-  // CREDIT frames are bounded by traffic: at most one per quarter window
-  // returned plus one per blocked spell (each spell moves >= 1 message).
-  EXPECT_LE(s[0].credit_frames + s[1].credit_frames, 2 * (a_msgs + b_msgs) + 2);
+  EXPECT_TRUE(finished()) << "deadlock (seed " << seed << "): A sent " << a_msgs - s[0].to_send << "/" << a_msgs
+                          << ", B sent " << b_msgs - s[1].to_send << "/" << b_msgs << ", rendezvous left "
+                          << s[0].rdv_to_send << "/" << s[1].rdv_to_send;
+  EXPECT_EQ(s[1].rdv_delivered, a_rdv);
+  EXPECT_EQ(s[0].rdv_delivered, b_rdv);
+  // CREDIT frames are bounded by traffic (each returns at least one credit).
+  EXPECT_LE(s[0].credit_frames + s[1].credit_frames, 2 * (a_msgs + b_msgs + a_rdv + b_rdv) + 2);
 }
 
 TEST(Credits, OneWayTrafficNeverSendsWithoutACreditAndNeverDeadlocks) {
-  for (uint32_t seed = 1; seed <= 20; ++seed) Simulate(5000, 0, 8, 1, seed);
+  for (uint32_t seed = 1; seed <= 20; ++seed) Simulate(5000, 0, 0, 0, 8, 3, seed);
 }
 
 TEST(Credits, TwoWayTrafficWithTinyWindowsNeverDeadlocks) {
-  for (uint32_t seed = 1; seed <= 20; ++seed) Simulate(3000, 3000, 2, 1, seed);
-  for (uint32_t seed = 1; seed <= 20; ++seed) Simulate(3000, 100, 16, 2, seed);
+  for (uint32_t seed = 1; seed <= 20; ++seed) Simulate(3000, 3000, 0, 0, 2, 3, seed);
+  for (uint32_t seed = 1; seed <= 20; ++seed) Simulate(3000, 100, 0, 0, 16, 4, seed);
+}
+
+TEST(Credits, RendezvousAndDataTrafficTogetherNeverDeadlock) {
+  for (uint32_t seed = 1; seed <= 20; ++seed) Simulate(2000, 2000, 1500, 1500, 4, 3, seed);
+  for (uint32_t seed = 1; seed <= 20; ++seed) Simulate(2000, 2000, 1500, 1500, 2, 8, seed);
+  for (uint32_t seed = 1; seed <= 20; ++seed) Simulate(500, 0, 0, 3000, 8, 8, seed);
 }
 
 }  // namespace

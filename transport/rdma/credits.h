@@ -5,18 +5,24 @@
 // WRITE_WITH_IMM, which also consumes a RECV) without one, so the peer never
 // answers Receiver-Not-Ready: RNR cannot happen by design.
 //
-// Two pools, so that returning credits can never deadlock:
-//  - data credits: DATA, RTS, CTS frames and WRITE_WITH_IMM;
-//  - ctrl credits: CREDIT frames only.
-// Credits of both kinds ride back piggybacked on every frame. A CREDIT frame
-// goes out when enough data credits are owed and nothing else is going out,
-// or when we are blocked on data credits and owe the peer something (see
-// WantsCreditFrame). A CREDIT frame that only returns ctrl credits is never
-// sent by an unblocked side, so CREDIT frames cannot ping-pong.
-// A CREDIT frame's RECV is reposted by the transport the moment it arrives
-// (only messages wait for the application); without that, the simulation in
-// tests/unit/rdma_protocol_test.cc deadlocks with both sides' ctrl credits
-// owed and neither able to send.
+// Two pools, split by *who gives the RECV back*:
+//  - data credits: DATA and RTS frames, which define message order. A DATA
+//    frame's RECV returns only when the application releases the message.
+//  - ctrl credits: CTS, WRITE_WITH_IMM and CREDIT frames. The transport
+//    reposts their RECVs the moment they arrive, whatever the application does.
+// Rendezvous (CTS, WRITE) must never wait for data credits: the application
+// may be holding every data RECV behind an undelivered rendezvous message at
+// the head of its queue, which only that CTS/WRITE can complete (the
+// conformance suite's eight-connection test deadlocked exactly so).
+//
+// Credits of both kinds ride back piggybacked on every frame. CTS/WRITE keep
+// the last ctrl credit in reserve, so a CREDIT frame can always go out; a
+// CREDIT frame is sent when a quarter of the data window or half the ctrl
+// window is owed, or once per spell in which we are blocked. A CREDIT frame
+// makes the peer owe one ctrl credit, below its threshold (>= 2), so CREDIT
+// frames cannot ping-pong; a blocked side's one frame lifts the peer's debt
+// to the threshold, so the peer answers. tests/unit/rdma_protocol_test.cc simulates
+// random two-sided schedules and checks: no SEND without a RECV, no deadlock.
 #pragma once
 
 #include <algorithm>
@@ -29,20 +35,29 @@ namespace rdmarpc::rdma {
 
 class CreditLedger {
  public:
+  enum class Kind { kData, kCtrl };
+
   // `peer_data`/`peer_ctrl`: RECVs the peer keeps posted (from its hello).
-  // `own_data_recvs`: RECVs we keep posted for data frames; a CREDIT frame is
-  // worth sending once a quarter of them are owed (fewer frames, and the peer
-  // still has three quarters in hand).
-  CreditLedger(uint16_t peer_data, uint16_t peer_ctrl, uint16_t own_data_recvs)
+  // `own_data`/`own_ctrl`: RECVs we keep posted, for the return thresholds.
+  CreditLedger(uint16_t peer_data, uint16_t peer_ctrl, uint16_t own_data, uint16_t own_ctrl)
       : peer_data_max_(peer_data), peer_ctrl_max_(peer_ctrl), data_(peer_data), ctrl_(peer_ctrl),
-        threshold_(std::max<uint16_t>(1, own_data_recvs / 4)) {}
+        data_threshold_(std::max<uint32_t>(1, own_data / 4)),
+        ctrl_threshold_(std::max<uint32_t>(2, std::min<uint32_t>(own_ctrl - 1, own_ctrl / 2))) {}
 
   uint32_t data_credits() const { return data_; }
   uint32_t ctrl_credits() const { return ctrl_; }
+  // DATA / RTS.
   bool CanSendData() const { return data_ > 0; }
-  bool CanSendCtrl() const { return ctrl_ > 0; }
   void ConsumeData() { --data_; }
-  void ConsumeCtrl() { --ctrl_; }
+  // CTS / WRITE_WITH_IMM: all but the last two ctrl credits, which are kept
+  // for CREDIT frames (one to ask, one to answer).
+  bool CanSendRendezvous() const { return ctrl_ > 2; }
+  void ConsumeRendezvous() { --ctrl_; }
+  // CREDIT frames may take the reserve. `blocked`: sent to unblock us.
+  void ConsumeCreditFrame(bool blocked) {
+    --ctrl_;
+    poked_ = poked_ || blocked;
+  }
 
   // Credits the peer returned in a header. More than it could owe us is a
   // protocol violation (or corruption): the connection must end.
@@ -53,11 +68,12 @@ class CreditLedger {
                                               peer_ctrl_max_ - ctrl_, " were outstanding"));
     data_ += data;
     ctrl_ += ctrl;
+    if (data + ctrl > 0) poked_ = false;  // Our poke was answered: may ask again.
     return absl::OkStatus();
   }
 
-  // We reposted a RECV consumed by a data frame (or a CREDIT frame).
-  void OnReposted(bool was_credit_frame) { was_credit_frame ? ++owed_ctrl_ : ++owed_data_; }
+  // We reposted a RECV that a frame of `kind` consumed.
+  void OnReposted(Kind kind) { kind == Kind::kCtrl ? ++owed_ctrl_ : ++owed_data_; }
 
   // What to piggyback on the frame being sent now; clears what is owed.
   struct Owed {
@@ -72,22 +88,27 @@ class CreditLedger {
     return o;
   }
   uint32_t owed_data() const { return owed_data_; }
+  uint32_t owed_ctrl() const { return owed_ctrl_; }
 
-  // True when a CREDIT frame should go out now (a ctrl credit must be free):
-  //  - enough data credits are owed, or
-  //  - we are blocked for lack of data credits and owe the peer anything: the
-  //    peer may be holding our data credits until its ctrl credit comes back
-  //    (it has no other frame to carry it). One such frame per blocked spell.
-  bool WantsCreditFrame(bool blocked_on_data) const {
-    if (ctrl_ == 0) return false;
-    return owed_data_ >= threshold_ || (blocked_on_data && (owed_ctrl_ > 0 || owed_data_ > 0));
+  // True when a CREDIT frame should go out now. `blocked`: we have frames
+  // waiting for credits of either kind. A blocked side sends one CREDIT frame
+  // per spell even when it owes nothing: the peer may owe us credits below its
+  // threshold (it cannot know we are stuck), and that frame puts it at or
+  // above the threshold, so it answers with everything it owes.
+  bool WantsCreditFrame(bool blocked) {
+    if (!blocked) poked_ = false;  // The spell is over.
+    // Answering (returning what the thresholds say) may take the last credit;
+    // asking (the blocked poke) may not, so an answer is always possible.
+    if (ctrl_ >= 1 && (owed_data_ >= data_threshold_ || owed_ctrl_ >= ctrl_threshold_)) return true;
+    return ctrl_ >= 2 && blocked && !poked_;
   }
 
  private:
   uint32_t peer_data_max_, peer_ctrl_max_;
   uint32_t data_, ctrl_;
   uint32_t owed_data_ = 0, owed_ctrl_ = 0;
-  uint32_t threshold_;
+  uint32_t data_threshold_, ctrl_threshold_;
+  bool poked_ = false;  // A CREDIT frame went out for the current blocked spell.
 };
 
 }  // namespace rdmarpc::rdma

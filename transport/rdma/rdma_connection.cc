@@ -87,13 +87,15 @@ class RdmaConnectionImpl final : public std::enable_shared_from_this<RdmaConnect
   absl::Status Init(std::unique_ptr<CmEndpoint> ep) {
     ep_ = std::move(ep);
     const Device& dev = ctx_->device();
-    if (opt_.recv_depth < 2 || opt_.ctrl_depth < 1 || opt_.send_depth < 2)
-      return absl::InvalidArgumentError("RdmaOptions: recv_depth >= 2, ctrl_depth >= 1, send_depth >= 2");
+    if (opt_.recv_depth < 2 || opt_.ctrl_depth < 3 || opt_.send_depth < 2)
+      return absl::InvalidArgumentError("RdmaOptions: recv_depth >= 2, ctrl_depth >= 3, send_depth >= 2");
     if (opt_.eager_limit > (size_t{1} << 30))
       return absl::InvalidArgumentError("RdmaOptions: eager_limit above 1 GiB");
     // The smallest slot must hold a CTS (header + grant).
     slot_bytes_ = RoundUp(wire::kHeaderSize + std::max(opt_.eager_limit, wire::kGrantSize), 64);
-    send_slots_ = opt_.send_depth + kControlSlots;
+    // Twice the SQ depth: messages prepared while the SQ is full (or while
+    // waiting for credits) need somewhere to wait that is not the caller.
+    send_slots_ = 2u * opt_.send_depth + kControlSlots;
     recv_slots_ = opt_.recv_depth + opt_.ctrl_depth;
     const size_t bytes = slot_bytes_ * (send_slots_ + recv_slots_);
     void* mem = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
@@ -155,7 +157,7 @@ class RdmaConnectionImpl final : public std::enable_shared_from_this<RdmaConnect
         {reinterpret_cast<const std::byte*>(peer_hello.data()), peer_hello.size()});
     if (!hello.ok()) return hello.status();
     peer_uri_ = std::move(peer_uri);
-    ledger_.emplace(hello->recv_data, hello->recv_ctrl, opt_.recv_depth);
+    ledger_.emplace(hello->recv_data, hello->recv_ctrl, opt_.recv_depth, opt_.ctrl_depth);
     peer_max_message_ = hello->max_message;
     eager_to_peer_ = std::min<size_t>(opt_.eager_limit, hello->recv_slot_bytes - wire::kHeaderSize);
 
@@ -283,7 +285,7 @@ class RdmaConnectionImpl final : public std::enable_shared_from_this<RdmaConnect
             Fail(st);
             return;
           }
-          ledger_->OnReposted(false);
+          ledger_->OnReposted(CreditLedger::Kind::kData);
           Pump();
         }
         break;
@@ -402,9 +404,17 @@ class RdmaConnectionImpl final : public std::enable_shared_from_this<RdmaConnect
     return PostSend(slot, bytes);
   }
 
-  // Moves queued operations onto the QP while credits, SQ room and slots allow,
-  // in order; then returns credits if nothing carried them. Executor only.
+  // Moves queued operations onto the QP while credits, SQ room and slots
+  // allow; then returns credits if nothing carried them. Rendezvous frames
+  // (control_) go first and draw on ctrl credits: they must never wait behind
+  // messages blocked on data credits (credits.h). Executor only.
   void Pump() {
+    while (error_.ok() && !control_.empty()) {
+      absl::Status st;
+      if (auto ready = PumpControl(control_.front(), st); !ready) break;
+      control_.pop_front();
+      if (!st.ok()) return Fail(st);
+    }
     while (error_.ok() && !pending_.empty()) {
       PendingOp& op = pending_.front();
       if (!ledger_->CanSendData()) {
@@ -423,39 +433,41 @@ class RdmaConnectionImpl final : public std::enable_shared_from_this<RdmaConnect
         slot_handlers_[op.slot].swap(op.handler);  // Never move-assign: see kNoHandlerAssign.
         stats_.eager_bytes += op.size;
         st = PostSend(op.slot, wire::kHeaderSize + op.size);
-      } else if (op.op == Op::kRts || op.op == Op::kCts) {
+      } else {  // kRts: ordered with DATA, so it shares their queue and credits.
         if (sq_used_ >= opt_.send_depth || free_send_slots_.empty()) break;
         ledger_->ConsumeData();
-        if (op.op == Op::kRts) {
-          st = SendControl({wire::Type::kRts, 0, 0, static_cast<uint32_t>(op.size), static_cast<uint32_t>(op.id)}, nullptr);
-        } else {
-          LargeIn& in = large_in_.at(op.id);
-          wire::Grant g{reinterpret_cast<uint64_t>(in.buffer.memory.get()), in.buffer.mr->rkey, in.grant_id};
-          st = SendControl({wire::Type::kCts, 0, 0, static_cast<uint32_t>(in.buffer.size), op.slot}, &g);
-        }
-      } else {  // kWrite
-        LargeOut& out = large_out_.at(op.id);
-        const size_t chunks = (out.buffer.size + max_write_chunk_ - 1) / max_write_chunk_;
-        if (chunks > 255) {
-          st = absl::InvalidArgumentError("message needs more than 255 RDMA WRITE chunks");
-        } else if (sq_used_ + chunks > opt_.send_depth) {
-          if (chunks > opt_.send_depth)
-            st = absl::InvalidArgumentError(absl::StrCat("message needs ", chunks,
-                                                         " WRITE chunks; send_depth is ", opt_.send_depth));
-          else
-            break;
-        } else {
-          ledger_->ConsumeData();  // WRITE_WITH_IMM consumes one of the peer's RECVs.
-          st = PostWrites(op.id, out, chunks);
-        }
+        st = SendControl({wire::Type::kRts, 0, 0, static_cast<uint32_t>(op.size), static_cast<uint32_t>(op.id)},
+                         nullptr);
       }
       pending_.pop_front();
-      if (!st.ok()) {
-        Fail(st);
-        return;
-      }
+      if (!st.ok()) return Fail(st);
     }
     MaybeReturnCredits();
+  }
+
+  // Posts one CTS or WRITE if credits and queue room allow; false = not yet.
+  bool PumpControl(const PendingOp& op, absl::Status& st) {
+    if (!ledger_->CanSendRendezvous()) return false;
+    if (op.op == Op::kCts) {
+      if (sq_used_ >= opt_.send_depth || free_send_slots_.empty()) return false;
+      ledger_->ConsumeRendezvous();
+      LargeIn& in = large_in_.at(op.id);
+      wire::Grant g{reinterpret_cast<uint64_t>(in.buffer.memory.get()), in.buffer.mr->rkey, in.grant_id};
+      st = SendControl({wire::Type::kCts, 0, 0, static_cast<uint32_t>(in.buffer.size), op.slot}, &g);
+      return true;
+    }
+    LargeOut& out = large_out_.at(op.id);
+    const size_t chunks = (out.buffer.size + max_write_chunk_ - 1) / max_write_chunk_;
+    if (chunks > 255 || chunks > opt_.send_depth) {
+      st = absl::InvalidArgumentError(absl::StrCat("a ", out.buffer.size, "-byte message needs ", chunks,
+                                                   " RDMA WRITE chunks; at most min(255, send_depth=",
+                                                   opt_.send_depth, ") fit"));
+      return true;
+    }
+    if (sq_used_ + chunks > opt_.send_depth) return false;
+    ledger_->ConsumeRendezvous();  // WRITE_WITH_IMM consumes one of the peer's ctrl RECVs.
+    st = PostWrites(op.id, out, chunks);
+    return true;
   }
 
   absl::Status PostWrites(uint64_t id, LargeOut& out, size_t chunks) {
@@ -492,10 +504,11 @@ class RdmaConnectionImpl final : public std::enable_shared_from_this<RdmaConnect
   }
 
   void MaybeReturnCredits() {
-    const bool blocked = !pending_.empty() && !ledger_->CanSendData();
+    const bool blocked = (!pending_.empty() && !ledger_->CanSendData()) ||
+                         (!control_.empty() && !ledger_->CanSendRendezvous());
     while (error_.ok() && ledger_->WantsCreditFrame(blocked) && sq_used_ < opt_.send_depth &&
            !free_send_slots_.empty()) {
-      ledger_->ConsumeCtrl();
+      ledger_->ConsumeCreditFrame(blocked);
       ++stats_.credit_frames_sent;
       if (auto st = SendControl({wire::Type::kCredit, 0, 0, 0, 0}, nullptr); !st.ok()) {
         Fail(st);
@@ -526,7 +539,7 @@ class RdmaConnectionImpl final : public std::enable_shared_from_this<RdmaConnect
       case wire::Type::kCredit:
         // Its RECV goes back at once (credits.h explains why).
         if (auto st = PostRecv(slot); !st.ok()) return Fail(st);
-        ledger_->OnReposted(true);
+        ledger_->OnReposted(CreditLedger::Kind::kCtrl);
         break;
       case wire::Type::kData:
         ready_.push_back({false, slot, h->length});
@@ -535,7 +548,7 @@ class RdmaConnectionImpl final : public std::enable_shared_from_this<RdmaConnect
         Deliver();
         break;
       case wire::Type::kRts:
-        RepostAfterControl(slot);
+        RepostAfterControl(slot, CreditLedger::Kind::kData);
         OnRts(*h);
         break;
       case wire::Type::kCts:
@@ -545,9 +558,11 @@ class RdmaConnectionImpl final : public std::enable_shared_from_this<RdmaConnect
     Pump();
   }
 
-  void RepostAfterControl(uint32_t slot) {
+  // RTS, CTS and WRITE_WITH_IMM RECVs go back at once; RTS counts against
+  // data credits (it is a message), the others against ctrl credits.
+  void RepostAfterControl(uint32_t slot, CreditLedger::Kind kind) {
     if (auto st = PostRecv(slot); !st.ok()) return Fail(st);
-    ledger_->OnReposted(false);
+    ledger_->OnReposted(kind);
   }
 
   void OnRts(const wire::Header& h) {
@@ -568,19 +583,19 @@ class RdmaConnectionImpl final : public std::enable_shared_from_this<RdmaConnect
     large_in_.emplace(id, LargeIn{std::move(*buf), grant_id, false});
     grants_.emplace(grant_id, id);
     ready_.push_back({true, id, h.length});
-    pending_.push_back({Op::kCts, h.cookie, 0, id, {}});
+    control_.push_back({Op::kCts, h.cookie, 0, id, {}});
   }
 
   void OnCts(const wire::Header& h, uint32_t slot) {
     auto g = wire::DecodeGrant({RecvSlot(slot) + wire::kHeaderSize, wire::kGrantSize});
-    RepostAfterControl(slot);
+    RepostAfterControl(slot, CreditLedger::Kind::kCtrl);
     auto it = large_out_.find(h.cookie);
     if (!g.ok() || it == large_out_.end() || !it->second.queued || it->second.buffer.size != h.length) {
       Fail(absl::DataLossError(absl::StrCat("peer granted ", h.length, " bytes for unknown message #", h.cookie)));
       return;
     }
     it->second.grant = *g;
-    pending_.push_back({Op::kWrite, 0, 0, h.cookie, {}});
+    control_.push_back({Op::kWrite, 0, 0, h.cookie, {}});
   }
 
   void OnWriteArrived(uint32_t grant_id, uint32_t slot) {
@@ -595,7 +610,7 @@ class RdmaConnectionImpl final : public std::enable_shared_from_this<RdmaConnect
     in.buffer.mr.reset();
     in.complete = true;
     grants_.erase(git);
-    RepostAfterControl(slot);
+    RepostAfterControl(slot, CreditLedger::Kind::kCtrl);
     ++stats_.messages_received;
     stats_.bytes_received += in.buffer.size;
     Deliver();
@@ -696,6 +711,7 @@ class RdmaConnectionImpl final : public std::enable_shared_from_this<RdmaConnect
     for (auto& op : pending_)
       if (op.handler) transport::PostCompletion(ex_, std::move(op.handler), error_);
     pending_.clear();
+    control_.clear();
     grants_.clear();
     FailReceivers();
     if (ep_) ep_->Disconnect();
@@ -758,7 +774,8 @@ class RdmaConnectionImpl final : public std::enable_shared_from_this<RdmaConnect
   bool waiting_for_credit_ = false;
   std::vector<uint32_t> free_send_slots_;
   std::vector<SendHandler> slot_handlers_;  // By send slot: whom to tell when its SEND completes.
-  std::deque<PendingOp> pending_;
+  std::deque<PendingOp> pending_;  // DATA and RTS, in message order.
+  std::deque<PendingOp> control_;  // CTS and WRITE: rendezvous progress, first.
   std::map<uint64_t, LargeOut> large_out_;
   std::map<uint64_t, LargeIn> large_in_;
   std::map<uint32_t, uint64_t> grants_;  // Live grant id -> large_in_ key.

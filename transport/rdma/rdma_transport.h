@@ -54,9 +54,11 @@ struct RdmaOptions {
   // slots = 256 KiB registered per connection, enough to cover the
   // bandwidth-delay product of 100 Gb/s x 20 us.
   uint16_t recv_depth = 64;
-  // RECVs for CREDIT frames (credits.h): 2 keeps one in flight while the
-  // other is being returned.
-  uint16_t ctrl_depth = 2;
+  // RECVs for rendezvous (CTS, WRITE_WITH_IMM) and CREDIT frames, which the
+  // transport reposts on arrival (credits.h); at least 3. 8 lets 6 large
+  // messages be in their CTS/WRITE phase at once, with two credits kept for
+  // CREDIT frames.
+  uint16_t ctrl_depth = 8;
   // Send WRs outstanding on the QP at most (SQ depth), and send slots.
   uint16_t send_depth = 64;
   // Largest payload sent eagerly (one SEND). Above it, rendezvous. 4 KiB is

@@ -109,7 +109,7 @@ absl::StatusOr<Hello> DecodeHello(std::span<const std::byte> data) noexcept {
   h.recv_slot_bytes = Get<uint32_t>(p);
   (void)Get<uint32_t>(p);
   h.max_message = Get<uint64_t>(p);
-  if (h.recv_data < 2 || h.recv_ctrl < 1)
+  if (h.recv_data < 2 || h.recv_ctrl < 3)
     return absl::FailedPreconditionError("peer posts too few receives to make progress");
   if (h.recv_slot_bytes < kHeaderSize + kGrantSize)
     return absl::FailedPreconditionError("peer's receive slots cannot hold a control frame");
