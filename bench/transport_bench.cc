@@ -5,7 +5,7 @@
 //
 //   transport_bench [--transport=rdma,tcp] [--sizes=64,4096,65536,1048576]
 //                   [--iters=N] [--window=N] [--poll=event|adaptive|busy]
-//                   [--device=NAME] [--ip=ADDR] [--with-perftest] [--phase-ms=3000]
+//                   [--device=NAME] [--ip=ADDR] [--with-perftest] [--phase-ms=3000] [--spin]
 //
 // Client and server run in one process on two threads, each with its own
 // io_context, so neither side's processing hides in the other's.
@@ -50,13 +50,18 @@ struct Flags {
   // Upper bound on each latency and bandwidth phase: under emulation a fixed
   // count can take minutes.
   std::chrono::milliseconds phase{3000};
+  // Spin both io_contexts (poll instead of sleeping in epoll): what a
+  // latency-critical deployment does, and what perftest does. Without it,
+  // each round trip pays two thread wake-ups, which emulation makes ~100x
+  // dearer than real hardware.
+  bool spin = false;
 };
 
 [[noreturn]] void Usage(const std::string& why) {
   std::fprintf(stderr,
                "transport_bench: %s\nusage: transport_bench [--transport=rdma,tcp] [--sizes=64,4096,...] "
                "[--iters=N] [--window=N] [--poll=event|adaptive|busy] [--device=NAME] [--ip=ADDR] "
-               "[--with-perftest]\n",
+               "[--with-perftest] [--phase-ms=MS] [--spin]\n",
                why.c_str());
   std::exit(2);
 }
@@ -96,6 +101,8 @@ Flags Parse(int argc, char** argv) {
       f.device = val;
     } else if (key == "--ip") {
       f.ip = val;
+    } else if (key == "--spin") {
+      f.spin = true;
     } else if (key == "--with-perftest") {
       f.perftest = true;
     } else if (key == "--help" || key == "-h") {
@@ -146,11 +153,20 @@ double Pct(std::vector<double>& v, double p) {
   return v[static_cast<size_t>(p * static_cast<double>(v.size() - 1))];
 }
 
-// Runs `fn` on the client io_context until `done` or the deadline.
+bool g_spin = false;
+
+// Runs the client io_context until `done` or the deadline.
 template <typename Pred>
 bool RunUntil(asio::io_context& io, Pred done, std::chrono::seconds limit = std::chrono::seconds(300)) {
   const auto deadline = Clock::now() + limit;
-  while (!done() && Clock::now() < deadline) io.run_one_for(std::chrono::milliseconds(50));
+  while (!done() && Clock::now() < deadline) {
+    if (g_spin) {
+      io.poll();
+      if (io.stopped()) io.restart();
+    } else {
+      io.run_one_for(std::chrono::milliseconds(50));
+    }
+  }
   return done();
 }
 
@@ -247,7 +263,14 @@ absl::Status RunTransport(const std::string& name, const Flags& f, std::vector<R
     if (c.ok()) server.conn = std::move(*c);
     accepted.set_value(c.status());
   });
-  server.thread = std::thread([&] { server.io.run(); });
+  std::atomic<bool> server_stop{false};
+  server.thread = std::thread([&] {
+    if (!f.spin) return (void)server.io.run();
+    while (!server_stop.load(std::memory_order_relaxed)) {
+      server.io.poll();
+      if (server.io.stopped()) server.io.restart();
+    }
+  });
   const std::string uri = (*listener)->local_uri();
   const uint16_t port = static_cast<uint16_t>(std::stoi(uri.substr(uri.rfind(':') + 1)));
   absl::StatusOr<std::unique_ptr<Connection>> client = absl::UnknownError("pending");
@@ -275,6 +298,7 @@ absl::Status RunTransport(const std::string& name, const Flags& f, std::vector<R
   });
   io.run_for(std::chrono::milliseconds(100));
   guard.reset();
+  server_stop = true;
   server.io.stop();
   server.thread.join();
   return st;
@@ -314,6 +338,7 @@ std::vector<double> PerftestRow(const std::string& out, size_t size) {
 
 int main(int argc, char** argv) {
   Flags f = Parse(argc, argv);
+  g_spin = f.spin;
   std::vector<Row> rows;
   for (const auto& t : f.transports) {
     std::fprintf(stderr, "== %s (poll=%s)\n", t.c_str(), rdmarpc::rdma::PollModeName(f.poll));
