@@ -26,6 +26,7 @@
 #include <memory>
 #include <span>
 #include <string>
+#include <utility>
 
 #include <boost/asio/any_completion_handler.hpp>
 #include <boost/asio/any_io_executor.hpp>
@@ -47,78 +48,59 @@ class BufferOwner {
   ~BufferOwner() = default;
 };
 
-// A received message: a read-only view of transport-owned memory (for RDMA, a
-// registered receive slot or a granted rendezvous buffer). Destroying the
-// Message returns that memory, so holding many Messages holds back credits.
-class Message {
+// Transport-owned bytes lent to the application; returned to their owner
+// (Release(token)) when dropped. Base of Message and SendBuffer.
+template <typename Byte>
+class LentBytes {
  public:
-  Message() = default;
-  Message(std::span<const std::byte> data, BufferOwner* owner, uint64_t token) noexcept
+  LentBytes() = default;
+  LentBytes(std::span<Byte> data, BufferOwner* owner, uint64_t token) noexcept
       : data_(data), owner_(owner), token_(token) {}
-  Message(Message&& o) noexcept : data_(o.data_), owner_(o.owner_), token_(o.token_) { o.owner_ = nullptr; }
-  Message& operator=(Message&& o) noexcept {
+  LentBytes(LentBytes&& o) noexcept : data_(o.data_), owner_(std::exchange(o.owner_, nullptr)), token_(o.token_) {}
+  LentBytes& operator=(LentBytes&& o) noexcept {
     if (this != &o) {
       Reset();
       data_ = o.data_;
-      owner_ = o.owner_;
+      owner_ = std::exchange(o.owner_, nullptr);
       token_ = o.token_;
-      o.owner_ = nullptr;
     }
     return *this;
   }
-  ~Message() { Reset(); }
+  ~LentBytes() { Reset(); }
 
-  std::span<const std::byte> data() const { return data_; }
+  std::span<Byte> data() const { return data_; }
   size_t size() const { return data_.size(); }
   void Reset() noexcept {
     if (owner_ != nullptr) std::exchange(owner_, nullptr)->Release(token_);
     data_ = {};
   }
 
- private:
-  std::span<const std::byte> data_;
+ protected:
+  std::span<Byte> data_;
   BufferOwner* owner_ = nullptr;
   uint64_t token_ = 0;
+};
+
+// A received message: a read-only view of transport-owned memory (for RDMA, a
+// registered receive slot or a granted rendezvous buffer). Destroying the
+// Message returns that memory, so holding many Messages holds back credits.
+class Message : public LentBytes<const std::byte> {
+ public:
+  using LentBytes::LentBytes;
 };
 
 // Writable transport-owned memory for one outgoing message of a fixed size:
 // serialise straight into it, then hand it to Send(). Dropping it unsent
 // returns the memory.
-class SendBuffer {
+class SendBuffer : public LentBytes<std::byte> {
  public:
-  SendBuffer() = default;
-  SendBuffer(std::span<std::byte> data, BufferOwner* owner, uint64_t token) noexcept
-      : data_(data), owner_(owner), token_(token) {}
-  SendBuffer(SendBuffer&& o) noexcept : data_(o.data_), owner_(o.owner_), token_(o.token_) { o.owner_ = nullptr; }
-  SendBuffer& operator=(SendBuffer&& o) noexcept {
-    if (this != &o) {
-      Reset();
-      data_ = o.data_;
-      owner_ = o.owner_;
-      token_ = o.token_;
-      o.owner_ = nullptr;
-    }
-    return *this;
-  }
-  ~SendBuffer() { Reset(); }
-
-  std::span<std::byte> data() const { return data_; }
-  size_t size() const { return data_.size(); }
+  using LentBytes::LentBytes;
   // For the backend that made it: takes the token without releasing it.
   uint64_t Detach() noexcept {
     owner_ = nullptr;
     return token_;
   }
   BufferOwner* owner() const { return owner_; }
-  void Reset() noexcept {
-    if (owner_ != nullptr) std::exchange(owner_, nullptr)->Release(token_);
-    data_ = {};
-  }
-
- private:
-  std::span<std::byte> data_;
-  BufferOwner* owner_ = nullptr;
-  uint64_t token_ = 0;
 };
 
 // Counters a connection keeps; read with stats() from any thread (a snapshot).

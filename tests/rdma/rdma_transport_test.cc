@@ -13,6 +13,7 @@
 #include <fstream>
 #include <map>
 #include <regex>
+#include <thread>
 
 #include "tests/support/rdma_env.h"
 #include "transport/rdma/rdma_transport.h"
@@ -205,6 +206,11 @@ TEST(RdmaTransportPollers, BusyPollerThreadsArePinnedToOneCore) {
   p.client->Close();
   p.server->Close();
   p = {};
+  // Close() joins the threads; the kernel drops a joined thread's
+  // /proc/self/task entry a moment later (slowly under emulation).
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(5);
+  while (!PollerAffinities().empty() && std::chrono::steady_clock::now() < deadline)
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
   EXPECT_TRUE(PollerAffinities().empty()) << "poller threads must stop with their connection";
 }
 

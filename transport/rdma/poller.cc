@@ -27,6 +27,19 @@ struct Batch {
   int n = 0;
 };
 
+// Takes every pending event off a (non-blocking) completion channel. Acking
+// takes a mutex in libibverbs, so acks are batched in `unacked`; whoever
+// destroys the CQ must ack the rest first.
+void TakeCqEvents(ibv_comp_channel* channel, ibv_cq* cq, unsigned& unacked) {
+  ibv_cq* ev_cq = nullptr;
+  void* ctx = nullptr;
+  while (ibv_get_cq_event(channel, &ev_cq, &ctx) == 0) ++unacked;
+  if (unacked >= 64) {
+    ibv_ack_cq_events(cq, unacked);
+    unacked = 0;
+  }
+}
+
 // Shared between the executor side and a poller thread. `sink` is only ever
 // called on the executor, and not once `stopped` is set there.
 struct SinkBox {
@@ -72,14 +85,7 @@ class EventPoller final : public Poller {
   }
 
   void OnReadable() {
-    ibv_cq* ev_cq = nullptr;
-    void* ctx = nullptr;
-    while (ibv_get_cq_event(channel_, &ev_cq, &ctx) == 0) ++unacked_;
-    // Acking takes a mutex in libibverbs: batch it.
-    if (unacked_ >= 64) {
-      ibv_ack_cq_events(cq_, unacked_);
-      unacked_ = 0;
-    }
+    TakeCqEvents(channel_, cq_, unacked_);
     // Re-arm first, then drain: a completion that lands between the drain and
     // the arm would otherwise never raise an event.
     ibv_req_notify_cq(cq_, 0);
@@ -171,15 +177,7 @@ class ThreadPoller final : public Poller {
       }
       pollfd pfd{channel_->fd, POLLIN, 0};
       // Wake up now and then to notice Stop(); completions wake us at once.
-      if (::poll(&pfd, 1, 20) > 0) {
-        ibv_cq* ev_cq = nullptr;
-        void* ctx = nullptr;
-        while (ibv_get_cq_event(channel_, &ev_cq, &ctx) == 0) ++unacked_;
-        if (unacked_ >= 64) {
-          ibv_ack_cq_events(cq_, unacked_);
-          unacked_ = 0;
-        }
-      }
+      if (::poll(&pfd, 1, 20) > 0) TakeCqEvents(channel_, cq_, unacked_);
       idle_since = Clock::now();
     }
   }
