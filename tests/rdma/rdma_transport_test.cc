@@ -12,8 +12,10 @@
 #include <filesystem>
 #include <fstream>
 #include <map>
-#include <regex>
 #include <thread>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_split.h"
 
 #include "tests/support/rdma_env.h"
 #include "transport/rdma/rdma_transport.h"
@@ -202,7 +204,8 @@ TEST(RdmaTransportPollers, BusyPollerThreadsArePinnedToOneCore) {
   ASSERT_TRUE(p.client && p.server);
   auto affinities = PollerAffinities();
   ASSERT_EQ(affinities.size(), 2u) << "one poller per QP";
-  for (const auto& a : affinities) EXPECT_TRUE(std::regex_match(a, std::regex("[0-9]+"))) << a;
+  for (const auto& a : affinities)
+    EXPECT_TRUE(!a.empty() && a.find_first_not_of("0123456789") == std::string::npos) << "pinned to one CPU, got " << a;
   p.client->Close();
   p.server->Close();
   p = {};
@@ -223,9 +226,13 @@ std::map<std::string, int> ResourceCounts(const std::string& dev) {
   while (fgets(line, sizeof line, f)) {
     std::string l(line);
     if (l.find(dev + ":") == std::string::npos) continue;
-    std::regex kv("([a-z_]+) ([0-9]+)");
-    for (auto it = std::sregex_iterator(l.begin(), l.end(), kv); it != std::sregex_iterator(); ++it)
-      counts[(*it)[1]] = std::stoi((*it)[2]);
+    // "0: rxe0: pd 3 cq 4 qp 2 cm_id 0 mr 2 ctx 1 srq 0": name/number pairs.
+    std::vector<std::string> tok = absl::StrSplit(l, ' ', absl::SkipWhitespace());
+    for (size_t i = 0; i + 1 < tok.size(); ++i) {
+      int n = 0;
+      if (absl::SimpleAtoi(tok[i + 1], &n) && !tok[i].empty() && std::isalpha(static_cast<unsigned char>(tok[i][0])))
+        counts[tok[i]] = n;
+    }
   }
   pclose(f);
   return counts;
