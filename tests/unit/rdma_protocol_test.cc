@@ -139,7 +139,10 @@ void Simulate(int a_msgs, int b_msgs, int a_rdv, int b_rdv, uint16_t r, uint16_t
       case 1:  // A rendezvous frame (CTS/WRITE_WITH_IMM).
         if (me.rdv_to_send > 0 && me.ledger.CanSendRendezvous()) {
           me.ledger.ConsumeRendezvous();
-          wire[i].push_back({FrameKind::kRendezvous, me.ledger.TakeOwed()});
+          // Half the rendezvous frames are WRITE_WITH_IMM, which has no header:
+          // they carry no credits back.
+          const bool write = rng() % 2 == 0;
+          wire[i].push_back({FrameKind::kRendezvous, write ? CreditLedger::Owed{0, 0} : me.ledger.TakeOwed()});
           --me.rdv_to_send;
         }
         break;

@@ -60,6 +60,11 @@ class EventPoller final : public Poller {
     if (flags < 0 || fcntl(channel_->fd, F_SETFL, flags | O_NONBLOCK) < 0)
       return ErrnoStatus(errno, "fcntl(O_NONBLOCK) on the completion channel");
     if (int rc = ibv_req_notify_cq(cq_, 0); rc != 0) return ErrnoStatus(rc, "ibv_req_notify_cq");
+    // Completions that landed before the CQ was armed raise no event (the
+    // peer may SEND the moment the connection is established): drain once.
+    asio::post(fd_.get_executor(), [this, box = box_] {
+      if (!box->stopped) DrainToEmpty();
+    });
     Wait();
     return absl::OkStatus();
   }
@@ -89,13 +94,19 @@ class EventPoller final : public Poller {
     // Re-arm first, then drain: a completion that lands between the drain and
     // the arm would otherwise never raise an event.
     ibv_req_notify_cq(cq_, 0);
+    if (!DrainToEmpty()) return;
+    Wait();
+  }
+
+  // False when the sink stopped us (closed the connection) meanwhile.
+  bool DrainToEmpty() {
     Batch b;
     auto box = box_;
     while ((b.n = ibv_poll_cq(cq_, kBatch, b.wc.data())) > 0) {
       box->sink({b.wc.data(), static_cast<size_t>(b.n)});
-      if (box->stopped) return;  // The sink closed the connection.
+      if (box->stopped) return false;
     }
-    Wait();
+    return true;
   }
 
   ibv_cq* cq_;
