@@ -57,20 +57,14 @@ absl::Status Expect(const absl::StatusOr<CmEventPtr>& ev, rdma_cm_event_type wan
   if (!ev.ok()) return ev.status();
   if ((*ev)->event == want && (*ev)->status == 0) return absl::OkStatus();
   std::string msg = absl::StrCat("rdma_cm ", step, " failed: got ", DescribeCmEvent(**ev));
-  switch ((*ev)->event) {
-    case RDMA_CM_EVENT_REJECTED:
-      if ((*ev)->param.conn.private_data_len > 0 && (*ev)->param.conn.private_data != nullptr) {
-        // Our Reject() sends a NUL-terminated reason; never trust the peer's length.
-        const char* p = static_cast<const char*>((*ev)->param.conn.private_data);
-        absl::StrAppend(&msg, " (peer says: ",
-                        std::string(p, strnlen(p, (*ev)->param.conn.private_data_len)), ")");
-      }
-      return absl::UnavailableError(msg);
-    case RDMA_CM_EVENT_DEVICE_REMOVAL:
-      return absl::UnavailableError(msg);
-    default:
-      return absl::UnavailableError(msg);
+  const auto& conn = (*ev)->param.conn;
+  if ((*ev)->event == RDMA_CM_EVENT_REJECTED && conn.private_data_len > 0 && conn.private_data != nullptr) {
+    // Our Reject() sends a NUL-terminated reason; never trust the peer's length.
+    const char* p = static_cast<const char*>(conn.private_data);
+    absl::StrAppend(&msg, " (peer says: ", std::string(p, strnlen(p, conn.private_data_len)), ")");
   }
+  // Unreachable, rejected, removed device, timeout: all "retry the call".
+  return absl::UnavailableError(msg);
 }
 
 }  // namespace

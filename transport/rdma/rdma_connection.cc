@@ -9,7 +9,6 @@
 #include <list>
 #include <map>
 
-#include <boost/asio/bind_cancellation_slot.hpp>
 #include <boost/asio/co_spawn.hpp>
 #include <boost/asio/detached.hpp>
 #include <boost/asio/dispatch.hpp>
@@ -630,11 +629,9 @@ class RdmaConnectionImpl final : public std::enable_shared_from_this<RdmaConnect
                       MakeToken(kTokRecvSlot, e.index));
       }
       ready_.pop_front();
-      PendingReceive r = std::move(receivers_.front());
+      ReceiveHandler h = std::move(receivers_.front().handler);
       receivers_.pop_front();
-      auto slot = asio::get_associated_cancellation_slot(r.handler);
-      if (slot.is_connected()) slot.clear();
-      transport::PostCompletion(ex_, std::move(r.handler), absl::StatusOr<Message>(std::move(msg)));
+      CompleteReceive(std::move(h), std::move(msg));
     }
     if (!error_.ok() && ready_.empty()) FailReceivers();
   }
@@ -644,10 +641,7 @@ class RdmaConnectionImpl final : public std::enable_shared_from_this<RdmaConnect
       if (it->id != id) continue;
       ReceiveHandler h = std::move(it->handler);
       receivers_.erase(it);
-      auto slot = asio::get_associated_cancellation_slot(h);
-      if (slot.is_connected()) slot.clear();
-      transport::PostCompletion(ex_, std::move(h),
-                                absl::StatusOr<Message>(absl::CancelledError("receive cancelled")));
+      CompleteReceive(std::move(h), absl::CancelledError("receive cancelled"));
       return;
     }
   }
@@ -723,10 +717,16 @@ class RdmaConnectionImpl final : public std::enable_shared_from_this<RdmaConnect
     while (!receivers_.empty()) {
       ReceiveHandler h = std::move(receivers_.front().handler);
       receivers_.pop_front();
-      auto slot = asio::get_associated_cancellation_slot(h);
-      if (slot.is_connected()) slot.clear();
-      transport::PostCompletion(ex_, std::move(h), absl::StatusOr<Message>(error_));
+      CompleteReceive(std::move(h), error_);
     }
+  }
+
+  // The one way a receive completes: detach our cancellation handler from the
+  // caller's slot (it must not fire after completion), then post the result.
+  void CompleteReceive(ReceiveHandler h, absl::StatusOr<Message> result) {
+    auto slot = asio::get_associated_cancellation_slot(h);
+    if (slot.is_connected()) slot.clear();
+    transport::PostCompletion(ex_, std::move(h), std::move(result));
   }
 
   // Watches CM events after establishment: the peer leaving, device removal.
