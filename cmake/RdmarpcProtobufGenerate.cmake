@@ -5,8 +5,9 @@
 # adds the generated X.pb.{h,cc} and X.rdmarpc.pb.{h,cc} to <target>, whose
 # users then see the generated headers. A .proto's path relative to the first
 # IMPORT_DIR that holds it decides the generated names (as with protoc -I);
-# by default the import dir is the directory of the .proto. MOCKS asks for
-# gmock mocks of the generated stubs (ignored until stubs are generated).
+# by default the import dir is the directory of the .proto. MOCKS also
+# generates X_mock.rdmarpc.pb.h with a gmock Mock<Service>Stub per service (its
+# users link GTest::gmock themselves).
 function(rdmarpc_protobuf_generate)
   cmake_parse_arguments(ARG "MOCKS" "TARGET;OUT_DIR" "PROTOS;IMPORT_DIRS" ${ARGN})
   if(NOT ARG_TARGET OR NOT ARG_PROTOS)
@@ -52,6 +53,7 @@ function(rdmarpc_protobuf_generate)
     set(rdmarpc_opts "")
     if(ARG_MOCKS)
       set(rdmarpc_opts "mocks:")
+      list(APPEND gen ${ARG_OUT_DIR}/${stem}_mock.rdmarpc.pb.h)
     endif()
     add_custom_command(
       OUTPUT ${gen}

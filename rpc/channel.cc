@@ -1,0 +1,544 @@
+#include "rpc/channel.h"
+
+#include <cstring>
+#include <deque>
+#include <random>
+#include <vector>
+
+#include <boost/asio/cancellation_type.hpp>
+#include <boost/asio/dispatch.hpp>
+#include <boost/asio/io_context.hpp>
+#include <boost/asio/post.hpp>
+#include <boost/asio/steady_timer.hpp>
+
+#include "absl/container/flat_hash_map.h"
+#include "absl/strings/str_cat.h"
+#include "rpc/frame.h"
+#include "transport/common/log.h"
+#include "transport/completion.h"
+
+namespace rdmarpc {
+
+using google::protobuf::MessageLite;
+using transport::Connection;
+using transport::Message;
+
+namespace {
+
+// The request's metadata must fit the frame's u16 fields.
+Status CheckMetadata(const rpc::Metadata& md) {
+  if (md.size() > rpc::kMaxMetadataEntries)
+    return InvalidArgumentError(absl::StrCat(md.size(), " metadata entries, at most ", rpc::kMaxMetadataEntries));
+  for (const auto& [k, v] : md) {
+    if (k.empty()) return InvalidArgumentError("metadata key is empty");
+    if (k.size() > 0xffff || v.size() > 0xffff)
+      return InvalidArgumentError(absl::StrCat("metadata entry '", k.substr(0, 32), "' longer than 65535 bytes"));
+  }
+  if (rpc::MetadataWireSize(md) > 0xffff) return InvalidArgumentError("metadata larger than 65535 bytes in total");
+  return Status();
+}
+
+bool OnThisThread(const asio::any_io_executor& ex) {
+  if (const auto* io = ex.target<asio::io_context::executor_type>()) return io->running_in_this_thread();
+  return false;
+}
+
+}  // namespace
+
+class Channel::Impl : public std::enable_shared_from_this<Impl> {
+ public:
+  Impl(asio::any_io_executor ex, transport::Uri uri, std::string target, ChannelOptions options)
+      : ex_(std::move(ex)),
+        uri_(std::move(uri)),
+        target_(std::move(target)),
+        options_(std::move(options)),
+        backoff_timer_(ex_),
+        backoff_(options_.initial_backoff),
+        rng_(std::random_device{}()) {}
+
+  const asio::any_io_executor& executor() const { return ex_; }
+  const std::string& target() const { return target_; }
+  State state() const { return state_; }
+  const Status& last_error() const { return last_error_; }
+  const ChannelStats& stats() const { return stats_; }
+
+  // `request` is null when the caller serialised it already (into `bytes`).
+  void Start(ClientContext& ctx, const MethodInfo& method, const MessageLite* request, std::string bytes,
+             CallHandler handler);
+  void Connect(asio::any_completion_handler<void(boost::system::error_code)> handler);
+  void Close();
+
+ private:
+  struct Conn {
+    std::unique_ptr<Connection> c;
+    std::string peer;
+    bool dead = false;
+    bool goaway = false;
+    size_t calls = 0;
+  };
+  enum class CallState { kFree, kQueued, kSent, kCancelling };
+  struct Call {
+    explicit Call(const asio::any_io_executor& ex) : timer(ex) {}
+    uint64_t id = 0;
+    uint64_t generation = 0;
+    CallState state = CallState::kFree;
+    ClientContext* ctx = nullptr;
+    const MethodInfo* method = nullptr;
+    const MessageLite* request = nullptr;  // null once serialised into request_bytes
+    std::string request_bytes;             // when the call cannot be sent at once
+    CallHandler handler;
+    asio::steady_timer timer;
+    asio::cancellation_slot slot;
+    std::shared_ptr<Conn> conn;
+  };
+  struct Ref {
+    Call* call;
+    uint64_t generation;
+    bool live() const { return call->generation == generation && call->state != CallState::kFree; }
+  };
+
+  // Runs in the handler's cancellation slot (on the emitter's thread, which
+  // Asio requires to be the channel's executor): completes the call later, on
+  // the executor, so the user's handler never runs inside emit().
+  struct Canceller {
+    std::weak_ptr<Impl> impl;
+    Ref ref;
+    void operator()(asio::cancellation_type type) {
+      if ((type & (asio::cancellation_type::terminal | asio::cancellation_type::partial)) ==
+          asio::cancellation_type::none)
+        return;
+      if (auto self = impl.lock()) {
+        asio::post(self->ex_, [self, r = ref] {
+          if (r.live()) self->Finish(r.call, CancelledError("call cancelled by the client"), {}, true);
+        });
+      }
+    }
+  };
+
+  Call* Acquire();
+  void FailLater(Call* call, Status status);
+  void Finish(Call* call, Status status, ResponsePayload payload, bool tell_server);
+  void Send(Call* call);
+  void SendControl(const std::shared_ptr<Conn>& conn, rpc::FrameType type, uint64_t call_id);
+  void StartConnect();
+  void OnConnected(absl::StatusOr<std::unique_ptr<Connection>> result);
+  void Receive(std::shared_ptr<Conn> conn);
+  void OnReceive(const std::shared_ptr<Conn>& conn, absl::StatusOr<Message> message);
+  void ConnFailed(const std::shared_ptr<Conn>& conn, const Status& why);
+  void FailCallsOn(const std::shared_ptr<Conn>* conn, const Status& status, bool include_queued);
+  void EnterBackoff();
+  void CompleteWaiters(const Status& status);
+
+  asio::any_io_executor ex_;
+  transport::Uri uri_;
+  std::string target_;
+  ChannelOptions options_;
+  State state_ = State::kIdle;
+  bool closed_ = false;
+  Status last_error_;
+  std::shared_ptr<Conn> conn_;
+  std::vector<std::unique_ptr<Call>> all_calls_;
+  std::vector<Call*> free_calls_;
+  absl::flat_hash_map<uint64_t, Call*> sent_;
+  std::deque<Ref> queued_;
+  size_t outstanding_ = 0;
+  uint64_t next_call_id_ = 1;
+  asio::steady_timer backoff_timer_;
+  std::chrono::milliseconds backoff_;
+  std::minstd_rand rng_;
+  std::vector<asio::any_completion_handler<void(boost::system::error_code)>> waiters_;
+  ChannelStats stats_;
+};
+
+Channel::Impl::Call* Channel::Impl::Acquire() {
+  if (free_calls_.empty()) {
+    all_calls_.push_back(std::make_unique<Call>(ex_));
+    free_calls_.push_back(all_calls_.back().get());
+  }
+  Call* c = free_calls_.back();
+  free_calls_.pop_back();
+  return c;
+}
+
+void Channel::Impl::Start(ClientContext& ctx, const MethodInfo& method, const MessageLite* request,
+                          std::string bytes, CallHandler handler) {
+  ++stats_.calls_started;
+  Call* call = Acquire();
+  call->id = next_call_id_++;
+  call->ctx = &ctx;
+  call->method = &method;
+  call->request = request;
+  call->request_bytes = std::move(bytes);
+  call->handler = nullptr;
+  { CallHandler h(std::move(handler)); call->handler.swap(h); }
+  call->state = CallState::kQueued;  // not yet anywhere; Finish() copes
+  ++outstanding_;
+  ctx.SetResult(Status());
+
+  if (closed_) return FailLater(call, CancelledError("channel to " + target_ + " is closed"));
+  if (outstanding_ > options_.max_outstanding_calls)
+    return FailLater(call, ResourceExhaustedError(absl::StrCat("more than ", options_.max_outstanding_calls,
+                                                               " calls in flight on channel to ", target_,
+                                                               " (ChannelOptions::max_outstanding_calls)")));
+  if (auto st = CheckMetadata(ctx.metadata()); !st.ok()) return FailLater(call, std::move(st));
+  if (auto d = ctx.deadline()) {
+    if (*d <= Clock::now()) return FailLater(call, DeadlineExceededError("deadline passed before the call started"));
+    call->timer.expires_at(*d);
+    call->timer.async_wait([self = shared_from_this(), r = Ref{call, call->generation}](boost::system::error_code ec) {
+      if (!ec && r.live())
+        self->Finish(r.call, DeadlineExceededError("deadline exceeded (client timer)"), {}, true);
+    });
+  }
+  call->slot = asio::get_associated_cancellation_slot(call->handler);
+  if (call->slot.is_connected())
+    call->slot.template emplace<Canceller>(Canceller{weak_from_this(), Ref{call, call->generation}});
+
+  // The request only has to live until the initiating function returns: a
+  // call that cannot go out now keeps a serialised copy.
+  if (state_ != State::kReady && call->request != nullptr) {
+    call->request->SerializeToString(&call->request_bytes);
+    call->request = nullptr;
+  }
+  switch (state_) {
+    case State::kReady:
+      return Send(call);
+    case State::kIdle:
+      queued_.push_back({call, call->generation});
+      return StartConnect();
+    case State::kConnecting:
+      queued_.push_back({call, call->generation});
+      return;
+    case State::kBackoff:
+      if (ctx.wait_for_ready()) {
+        queued_.push_back({call, call->generation});
+        return;
+      }
+      return FailLater(call, UnavailableError("channel to " + target_ + " is waiting to reconnect; last error: " +
+                                              last_error_.ToString()));
+    case State::kClosed:
+      return FailLater(call, CancelledError("channel to " + target_ + " is closed"));
+  }
+}
+
+void Channel::Impl::FailLater(Call* call, Status status) {
+  asio::post(ex_, [self = shared_from_this(), r = Ref{call, call->generation}, s = std::move(status)]() mutable {
+    if (r.live()) self->Finish(r.call, std::move(s), {}, false);
+  });
+}
+
+void Channel::Impl::Finish(Call* call, Status status, ResponsePayload payload, bool tell_server) {
+  if (call->state == CallState::kSent) {
+    sent_.erase(call->id);
+    if (call->conn) {
+      --call->conn->calls;
+      if (tell_server && !call->conn->dead) SendControl(call->conn, rpc::FrameType::kCancel, call->id);
+      if (call->conn->goaway && call->conn->calls == 0 && !call->conn->dead) {
+        call->conn->dead = true;
+        call->conn->c->Close();
+      }
+    }
+  }
+  call->timer.cancel();
+  if (call->slot.is_connected()) call->slot.clear();
+  call->slot = {};
+  status.ok() ? ++stats_.calls_ok : ++stats_.calls_failed;
+  call->ctx->SetResult(std::move(status));
+  if (call->conn) call->ctx->SetPeer(call->conn->peer);
+  const auto code = call->ctx->status().code();
+  CallHandler handler;
+  handler.swap(call->handler);
+  call->state = CallState::kFree;
+  ++call->generation;
+  call->ctx = nullptr;
+  call->conn.reset();
+  free_calls_.push_back(call);
+  --outstanding_;
+  std::move(handler)(make_error_code(code), std::move(payload));
+}
+
+void Channel::Impl::Send(Call* call) {
+  const auto& conn = conn_;
+  const rpc::Metadata& md = call->ctx->metadata();
+  const size_t md_size = rpc::MetadataWireSize(md);
+  const size_t body = call->request != nullptr ? call->request->ByteSizeLong() : call->request_bytes.size();
+  const size_t total = rpc::kFrameHeaderSize + md_size + body;
+  if (total > conn->c->max_message_size() || body > 0xffffffffu)
+    return FailLater(call, ResourceExhaustedError(absl::StrCat("request of ", total, " bytes exceeds the ",
+                                                               conn->c->max_message_size(),
+                                                               "-byte message limit of the connection to ",
+                                                               target_)));
+  auto buffer = conn->c->Prepare(total);
+  if (!buffer.ok()) return FailLater(call, Status::FromAbsl(buffer.status()));
+  rpc::FrameHeader h;
+  h.type = rpc::FrameType::kRequest;
+  h.metadata_length = static_cast<uint16_t>(md_size);
+  h.method_id = call->method->id;
+  h.payload_length = static_cast<uint32_t>(body);
+  h.call_id = call->id;
+  if (auto d = call->ctx->deadline()) {
+    auto left = std::chrono::duration_cast<std::chrono::microseconds>(*d - Clock::now()).count();
+    h.timeout_us = left > 0 ? static_cast<uint64_t>(left) : 1;
+  }
+  std::span<std::byte> out = buffer->data();
+  rpc::EncodeFrameHead(h, md, out);
+  std::byte* payload = out.data() + rpc::kFrameHeaderSize + md_size;
+  if (call->request != nullptr) {
+    call->request->SerializeWithCachedSizesToArray(reinterpret_cast<uint8_t*>(payload));
+    call->request = nullptr;
+  } else if (body > 0) {
+    std::memcpy(payload, call->request_bytes.data(), body);
+  }
+  call->state = CallState::kSent;
+  call->conn = conn;
+  ++conn->calls;
+  sent_.emplace(call->id, call);
+  conn->c->Send(std::move(*buffer), [self = shared_from_this(), c = conn](absl::Status st) {
+    if (!st.ok()) self->ConnFailed(c, Status::FromAbsl(st));
+  });
+}
+
+void Channel::Impl::SendControl(const std::shared_ptr<Conn>& conn, rpc::FrameType type, uint64_t call_id) {
+  auto buffer = conn->c->Prepare(rpc::kFrameHeaderSize);
+  if (!buffer.ok()) return;  // the connection is failing; its receive loop reports it
+  rpc::FrameHeader h;
+  h.type = type;
+  h.call_id = call_id;
+  rpc::EncodeFrameHead(h, {}, buffer->data());
+  conn->c->Send(std::move(*buffer), [](absl::Status) {});
+}
+
+void Channel::Impl::Connect(asio::any_completion_handler<void(boost::system::error_code)> handler) {
+  if (closed_) {
+    transport::PostCompletion(ex_, std::move(handler), make_error_code(StatusCode::kCancelled));
+    return;
+  }
+  if (state_ == State::kReady) {
+    transport::PostCompletion(ex_, std::move(handler), boost::system::error_code());
+    return;
+  }
+  waiters_.emplace_back(std::move(handler));
+  if (state_ == State::kBackoff) backoff_timer_.cancel();
+  if (state_ == State::kIdle || state_ == State::kBackoff) StartConnect();
+}
+
+void Channel::Impl::StartConnect() {
+  state_ = State::kConnecting;
+  RDMARPC_LOG(kInfo, "channel", "event=connecting target=", target_);
+  ConnectTo(ex_, uri_, options_.transport,
+            [self = shared_from_this()](absl::StatusOr<std::unique_ptr<Connection>> c) {
+              self->OnConnected(std::move(c));
+            });
+}
+
+void Channel::Impl::OnConnected(absl::StatusOr<std::unique_ptr<Connection>> result) {
+  if (closed_) {
+    if (result.ok()) (*result)->Close();
+    return;
+  }
+  if (!result.ok()) {
+    ++stats_.connect_failures;
+    last_error_ = UnavailableError(absl::StrCat("cannot connect to ", target_, ": ", result.status().ToString()));
+    RDMARPC_LOG(kWarn, "channel", "event=connect_failed target=", target_, " error=\"", result.status().ToString(),
+                "\" backoff_ms=", backoff_.count());
+    EnterBackoff();
+    // Calls that may not wait fail now; wait_for_ready ones stay queued.
+    std::deque<Ref> keep;
+    for (Ref r : std::exchange(queued_, {})) {
+      if (!r.live() || r.call->state != CallState::kQueued) continue;
+      if (r.call->ctx->wait_for_ready())
+        keep.push_back(r);
+      else
+        Finish(r.call, last_error_, {}, false);
+    }
+    for (Ref r : keep)
+      if (r.live()) queued_.push_back(r);
+    CompleteWaiters(last_error_);
+    return;
+  }
+  ++stats_.connects;
+  backoff_ = options_.initial_backoff;
+  auto conn = std::make_shared<Conn>();
+  conn->c = std::move(*result);
+  conn->peer = conn->c->peer();
+  conn_ = conn;
+  state_ = State::kReady;
+  last_error_ = Status();
+  RDMARPC_LOG(kInfo, "channel", "event=established target=", target_, " peer=", conn->peer);
+  Receive(conn);
+  for (Ref r : std::exchange(queued_, {}))
+    if (r.live() && r.call->state == CallState::kQueued && conn_ == conn) Send(r.call);
+  CompleteWaiters(Status());
+}
+
+void Channel::Impl::CompleteWaiters(const Status& status) {
+  for (auto& w : std::exchange(waiters_, {}))
+    transport::PostCompletion(ex_, std::move(w), make_error_code(status.code()));
+}
+
+void Channel::Impl::EnterBackoff() {
+  state_ = State::kBackoff;
+  const double jitter = std::uniform_real_distribution<double>(0.8, 1.2)(rng_);
+  auto wait = std::chrono::milliseconds(static_cast<int64_t>(static_cast<double>(backoff_.count()) * jitter));
+  backoff_ = std::min(backoff_ * 2, options_.max_backoff);
+  backoff_timer_.expires_after(wait);
+  backoff_timer_.async_wait([self = shared_from_this()](boost::system::error_code ec) {
+    if (ec || self->closed_ || self->state_ != State::kBackoff) return;
+    self->state_ = State::kIdle;
+    bool want = !self->waiters_.empty();
+    for (Ref r : self->queued_) want = want || r.live();
+    if (want) self->StartConnect();
+  });
+}
+
+void Channel::Impl::Receive(std::shared_ptr<Conn> conn) {
+  Connection* c = conn->c.get();
+  c->Receive([self = shared_from_this(), conn = std::move(conn)](absl::StatusOr<Message> m) {
+    self->OnReceive(conn, std::move(m));
+  });
+}
+
+void Channel::Impl::OnReceive(const std::shared_ptr<Conn>& conn, absl::StatusOr<Message> message) {
+  if (!message.ok()) {
+    ConnFailed(conn, Status::FromAbsl(message.status()));
+    return;
+  }
+  rpc::DecodedFrame f;
+  if (auto st = rpc::DecodeFrame(message->data(), f); !st.ok()) {
+    RDMARPC_LOG(kWarn, "channel", "event=bad_frame target=", target_, " error=\"", st.message(), "\"");
+    ConnFailed(conn, InternalError(absl::StrCat("peer sent a malformed frame: ", st.message())));
+    return;
+  }
+  switch (f.header.type) {
+    case rpc::FrameType::kResponse: {
+      auto it = sent_.find(f.header.call_id);
+      if (it == sent_.end() || it->second->conn != conn) {
+        ++stats_.late_responses;  // completed already (deadline, cancel)
+        break;
+      }
+      Call* call = it->second;
+      if (f.header.status == StatusCode::kOk) {
+        Finish(call, Status(), ResponsePayload(std::move(*message), f.payload), false);
+      } else {
+        std::string text(reinterpret_cast<const char*>(f.payload.data()), f.payload.size());
+        message->Reset();
+        Finish(call, Status(f.header.status, std::move(text)), {}, false);
+      }
+      break;
+    }
+    case rpc::FrameType::kGoaway:
+      RDMARPC_LOG(kInfo, "channel", "event=goaway target=", target_, " calls_in_flight=", conn->calls);
+      conn->goaway = true;
+      if (conn_ == conn) {
+        conn_.reset();
+        state_ = State::kIdle;
+      }
+      if (conn->calls == 0) {
+        conn->dead = true;
+        conn->c->Close();
+      }
+      break;
+    case rpc::FrameType::kPing:
+      message->Reset();
+      SendControl(conn, rpc::FrameType::kPong, 0);
+      break;
+    case rpc::FrameType::kPong:
+      break;
+    case rpc::FrameType::kRequest:
+    case rpc::FrameType::kCancel:
+      RDMARPC_LOG(kWarn, "channel", "event=bad_frame target=", target_, " error=\"server sent a client frame\"");
+      ConnFailed(conn, InternalError("peer sent a request/cancel frame to a client"));
+      return;
+  }
+  if (!conn->dead) Receive(conn);
+}
+
+void Channel::Impl::ConnFailed(const std::shared_ptr<Conn>& conn, const Status& why) {
+  if (conn->dead) {
+    // Closed by us (GOAWAY drained, or Close()): fail whatever is left.
+    FailCallsOn(&conn, UnavailableError(absl::StrCat("connection to ", target_, " closed")), false);
+    return;
+  }
+  conn->dead = true;
+  conn->c->Close();
+  RDMARPC_LOG(kWarn, "channel", "event=disconnected target=", target_, " peer=", conn->peer, " error=\"",
+              why.ToString(), "\" calls_failed=", conn->calls);
+  if (conn_ == conn) {
+    conn_.reset();
+    // Lost a working connection: the next call reconnects at once (a refused
+    // reconnect then backs off).
+    state_ = closed_ ? State::kClosed : State::kIdle;
+    last_error_ = UnavailableError(absl::StrCat("connection to ", target_, " lost: ", why.ToString()));
+  }
+  FailCallsOn(&conn, UnavailableError(absl::StrCat("connection to ", target_, " lost: ", why.ToString())), false);
+  if (!closed_ && state_ == State::kIdle && !queued_.empty()) StartConnect();
+}
+
+void Channel::Impl::FailCallsOn(const std::shared_ptr<Conn>* conn, const Status& status, bool include_queued) {
+  std::vector<Ref> victims;
+  for (auto& [id, call] : sent_)
+    if (conn == nullptr || call->conn == *conn) victims.push_back({call, call->generation});
+  if (include_queued)
+    for (Ref r : std::exchange(queued_, {}))
+      if (r.live()) victims.push_back(r);
+  for (Ref r : victims)
+    if (r.live()) Finish(r.call, status, {}, false);
+}
+
+void Channel::Impl::Close() {
+  if (closed_) return;
+  closed_ = true;
+  state_ = State::kClosed;
+  backoff_timer_.cancel();
+  auto conn = std::exchange(conn_, nullptr);
+  FailCallsOn(nullptr, CancelledError("channel to " + target_ + " closed"), true);
+  if (conn && !conn->dead) {
+    conn->dead = true;
+    conn->c->Close();
+  }
+  CompleteWaiters(CancelledError("channel closed"));
+}
+
+// ---- Channel ------------------------------------------------------------------
+
+absl::StatusOr<std::shared_ptr<Channel>> Channel::Create(asio::any_io_executor ex, std::string_view uri,
+                                                         ChannelOptions options) {
+  auto parsed = transport::ParseUri(absl::string_view(uri.data(), uri.size()));
+  if (!parsed.ok()) return parsed.status();
+  if (parsed->port == 0) return absl::InvalidArgumentError(absl::StrCat("channel target '", internal::Sv(uri), "' needs a port"));
+  if (options.initial_backoff.count() <= 0 || options.max_backoff < options.initial_backoff)
+    return absl::InvalidArgumentError("ChannelOptions: need 0 < initial_backoff <= max_backoff");
+  auto impl = std::make_shared<Impl>(std::move(ex), *parsed, std::string(uri), std::move(options));
+  return std::shared_ptr<Channel>(new Channel(std::move(impl)));
+}
+
+Channel::~Channel() { Close(); }
+
+void Channel::Connect(asio::any_completion_handler<void(boost::system::error_code)> handler) {
+  asio::dispatch(impl_->executor(), [impl = impl_, h = std::move(handler)]() mutable { impl->Connect(std::move(h)); });
+}
+
+void Channel::StartCall(ClientContext& context, const MethodInfo& method, const google::protobuf::MessageLite& request,
+                        CallHandler handler) {
+  if (OnThisThread(impl_->executor())) {
+    impl_->Start(context, method, &request, {}, std::move(handler));
+    return;
+  }
+  // From another thread: serialise here, so the request need not outlive this call.
+  asio::post(impl_->executor(), [impl = impl_, &context, &method, bytes = request.SerializeAsString(),
+                                 h = std::move(handler)]() mutable {
+    impl->Start(context, method, nullptr, std::move(bytes), std::move(h));
+  });
+}
+
+asio::any_io_executor Channel::get_executor() const { return impl_->executor(); }
+
+void Channel::Close() {
+  asio::post(impl_->executor(), [impl = impl_] { impl->Close(); });
+}
+
+const std::string& Channel::target() const { return impl_->target(); }
+Channel::State Channel::state() const { return impl_->state(); }
+Status Channel::last_error() const { return impl_->last_error(); }
+ChannelStats Channel::stats() const { return impl_->stats(); }
+
+}  // namespace rdmarpc

@@ -1,0 +1,95 @@
+// Channel: the client end of rdmarpc. One connection to one URI (rdma:// or
+// tcp://), many calls in flight on it, connected lazily on the first call and
+// reconnected with exponential backoff after it fails.
+//
+// Threads: a Channel lives on the executor it was created with (one thread
+// running the io_context, or a strand). Calls may be started from any thread;
+// they hop to that executor. Completion handlers run on their associated
+// executor (default: the channel's), never inside the initiating call.
+//
+// Failure semantics (every call completes exactly once):
+//  - deadline passed: DEADLINE_EXCEEDED, by the channel's own timer, whatever
+//    the peer does; the server is sent a CANCEL.
+//  - terminal cancellation through the handler's cancellation slot:
+//    CANCELLED; the server is sent a CANCEL.
+//  - connection lost with the call in flight: UNAVAILABLE (the call may or may
+//    not have run on the server).
+//  - no connection and none can be made now: UNAVAILABLE at once, unless the
+//    context asked to wait_for_ready (then it waits until its deadline).
+//  - request larger than the connection accepts: RESOURCE_EXHAUSTED, nothing sent.
+//  - Close() or the last reference dropped: pending calls CANCELLED.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <string_view>
+
+#include <boost/asio/any_io_executor.hpp>
+#include <boost/asio/async_result.hpp>
+
+#include "absl/status/statusor.h"
+#include "rpc/call.h"
+#include "rpc/endpoint.h"
+
+namespace rdmarpc {
+
+struct ChannelOptions {
+  TransportOptions transport;
+  // Reconnect backoff: first wait, cap; each failure doubles it (+-20% jitter).
+  std::chrono::milliseconds initial_backoff{50};
+  std::chrono::milliseconds max_backoff{2'000};
+  // Calls in flight at most; more fail with RESOURCE_EXHAUSTED.
+  size_t max_outstanding_calls = 65'536;
+};
+
+struct ChannelStats {
+  uint64_t calls_started = 0;
+  uint64_t calls_ok = 0;
+  uint64_t calls_failed = 0;
+  uint64_t connects = 0;         // Successful connection set-ups.
+  uint64_t connect_failures = 0;
+  uint64_t late_responses = 0;   // Responses for calls already completed (deadline/cancel).
+};
+
+class Channel final : public ChannelInterface {
+ public:
+  enum class State { kIdle, kConnecting, kReady, kBackoff, kClosed };
+
+  // Validates the URI; connects on the first call (or Connect()).
+  static absl::StatusOr<std::shared_ptr<Channel>> Create(asio::any_io_executor ex, std::string_view uri,
+                                                         ChannelOptions options = {});
+  ~Channel() override;  // Close()
+
+  // Connects now (if not connected) and completes with the outcome:
+  // void(boost::system::error_code); the message is in last_error().
+  template <typename Token>
+  auto async_connect(Token&& token) {
+    return asio::async_initiate<Token, void(boost::system::error_code)>(
+        [this](auto handler) { Connect(asio::any_completion_handler<void(boost::system::error_code)>(std::move(handler))); },
+        token);
+  }
+  void Connect(asio::any_completion_handler<void(boost::system::error_code)> handler);
+
+  void StartCall(ClientContext& context, const MethodInfo& method,
+                 const google::protobuf::MessageLite& request, CallHandler handler) override;
+  asio::any_io_executor get_executor() const override;
+
+  // Idempotent. Pending calls complete with CANCELLED; later calls fail.
+  void Close();
+
+  const std::string& target() const;
+  // Both read on the channel's executor.
+  State state() const;
+  Status last_error() const;
+  ChannelStats stats() const;
+
+  class Impl;
+
+ private:
+  explicit Channel(std::shared_ptr<Impl> impl) : impl_(std::move(impl)) {}
+  std::shared_ptr<Impl> impl_;
+};
+
+}  // namespace rdmarpc

@@ -1,0 +1,46 @@
+#include "rpc/endpoint.h"
+
+#include "rpc/status.h"
+#include "transport/completion.h"
+
+namespace rdmarpc {
+
+absl::StatusOr<std::shared_ptr<rdma::RdmaContext>> RdmaContextFor(TransportOptions& options,
+                                                                  const std::string& local_ip) {
+  if (options.rdma_context) return options.rdma_context;
+  rdma::DeviceSelector selector = options.rdma_device;
+  const bool unspecified = local_ip.empty() || local_ip == "0.0.0.0" || local_ip == "::";
+  if (selector.name.empty() && selector.local_ip.empty() && !unspecified) selector.local_ip = local_ip;
+  auto context = rdma::RdmaContext::Open(selector);
+  if (!context.ok()) return context.status();
+  options.rdma_context = *context;
+  return options.rdma_context;
+}
+
+absl::StatusOr<std::unique_ptr<transport::Listener>> ListenOn(asio::any_io_executor ex,
+                                                             const transport::Uri& uri,
+                                                             TransportOptions& options) {
+  if (uri.scheme == transport::Uri::Scheme::kTcp)
+    return transport::tcp::Listen(std::move(ex), uri.host, uri.port, options.tcp);
+  auto context = RdmaContextFor(options, uri.host);
+  if (!context.ok()) return context.status();
+  return rdma::Listen(std::move(ex), *context, uri.host, uri.port, options.rdma);
+}
+
+void ConnectTo(asio::any_io_executor ex, const transport::Uri& uri, TransportOptions& options,
+               transport::Listener::AcceptHandler handler) {
+  if (uri.scheme == transport::Uri::Scheme::kTcp) {
+    transport::tcp::Connect(std::move(ex), uri.host, uri.port, options.tcp, std::move(handler));
+    return;
+  }
+  auto context = RdmaContextFor(options, "");
+  if (!context.ok()) {
+    auto ex_copy = ex;
+    transport::PostCompletion(ex_copy, std::move(handler),
+                              absl::StatusOr<std::unique_ptr<transport::Connection>>(context.status()));
+    return;
+  }
+  rdma::Connect(std::move(ex), *context, uri.host, uri.port, options.rdma, std::move(handler));
+}
+
+}  // namespace rdmarpc

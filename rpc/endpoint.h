@@ -1,0 +1,41 @@
+// URI -> transport: how Channel and Server open rdma:// and tcp:// endpoints.
+#pragma once
+
+#include <memory>
+#include <string>
+
+#include <boost/asio/any_io_executor.hpp>
+
+#include "absl/status/statusor.h"
+#include "transport/rdma/rdma_transport.h"
+#include "transport/tcp/tcp_transport.h"
+#include "transport/transport.h"
+#include "transport/uri.h"
+
+namespace rdmarpc {
+
+namespace asio = boost::asio;
+
+struct TransportOptions {
+  rdma::RdmaOptions rdma;
+  transport::tcp::TcpOptions tcp;
+  // The RDMA device to use. Null: opened on first use from `rdma_device`;
+  // when that is empty too, a listener on a specific address uses the device
+  // that owns it and everything else the first ACTIVE port.
+  std::shared_ptr<rdma::RdmaContext> rdma_context;
+  rdma::DeviceSelector rdma_device;
+};
+
+// Opens (once) and returns the RDMA context for `options`; `local_ip` picks the
+// device when neither a context nor a selector was given.
+absl::StatusOr<std::shared_ptr<rdma::RdmaContext>> RdmaContextFor(TransportOptions& options,
+                                                                  const std::string& local_ip);
+
+absl::StatusOr<std::unique_ptr<transport::Listener>> ListenOn(asio::any_io_executor ex,
+                                                             const transport::Uri& uri,
+                                                             TransportOptions& options);
+
+void ConnectTo(asio::any_io_executor ex, const transport::Uri& uri, TransportOptions& options,
+               transport::Listener::AcceptHandler handler);
+
+}  // namespace rdmarpc

@@ -1,0 +1,124 @@
+#include "rpc/frame.h"
+
+#include <cstring>
+
+#include "absl/strings/str_cat.h"
+
+namespace rdmarpc::rpc {
+namespace {
+
+void Put16(std::byte* p, uint16_t v) noexcept {
+  p[0] = std::byte(v & 0xff);
+  p[1] = std::byte(v >> 8);
+}
+void Put32(std::byte* p, uint32_t v) noexcept {
+  for (int i = 0; i < 4; ++i) p[i] = std::byte((v >> (8 * i)) & 0xff);
+}
+void Put64(std::byte* p, uint64_t v) noexcept {
+  for (int i = 0; i < 8; ++i) p[i] = std::byte((v >> (8 * i)) & 0xff);
+}
+uint16_t Get16(const std::byte* p) noexcept {
+  return static_cast<uint16_t>(std::to_integer<uint16_t>(p[0]) | (std::to_integer<uint16_t>(p[1]) << 8));
+}
+uint32_t Get32(const std::byte* p) noexcept {
+  uint32_t v = 0;
+  for (int i = 3; i >= 0; --i) v = (v << 8) | std::to_integer<uint32_t>(p[i]);
+  return v;
+}
+uint64_t Get64(const std::byte* p) noexcept {
+  uint64_t v = 0;
+  for (int i = 7; i >= 0; --i) v = (v << 8) | std::to_integer<uint64_t>(p[i]);
+  return v;
+}
+
+absl::Status Bad(std::string what) { return absl::InvalidArgumentError(absl::StrCat("bad rpc frame: ", what)); }
+
+}  // namespace
+
+size_t MetadataWireSize(const Metadata& metadata) noexcept {
+  size_t n = 0;
+  for (const auto& [k, v] : metadata) n += 4 + k.size() + v.size();
+  return n;
+}
+
+void EncodeFrameHead(const FrameHeader& h, const Metadata& metadata, std::span<std::byte> out) noexcept {
+  std::byte* p = out.data();
+  Put16(p, kFrameMagic);
+  p[2] = std::byte(kFrameVersion);
+  p[3] = std::byte(static_cast<uint8_t>(h.type));
+  p[4] = std::byte(0);
+  p[5] = std::byte(static_cast<uint8_t>(h.status));
+  Put16(p + 6, h.metadata_length);
+  Put32(p + 8, h.method_id);
+  Put32(p + 12, h.payload_length);
+  Put64(p + 16, h.call_id);
+  Put64(p + 24, h.timeout_us);
+  p += kFrameHeaderSize;
+  for (const auto& [k, v] : metadata) {
+    Put16(p, static_cast<uint16_t>(k.size()));
+    Put16(p + 2, static_cast<uint16_t>(v.size()));
+    std::memcpy(p + 4, k.data(), k.size());
+    std::memcpy(p + 4 + k.size(), v.data(), v.size());
+    p += 4 + k.size() + v.size();
+  }
+}
+
+absl::Status DecodeFrame(std::span<const std::byte> bytes, DecodedFrame& out) {
+  if (bytes.size() < kFrameHeaderSize)
+    return Bad(absl::StrCat(bytes.size(), " bytes, shorter than the ", kFrameHeaderSize, "-byte header"));
+  const std::byte* p = bytes.data();
+  if (uint16_t magic = Get16(p); magic != kFrameMagic)
+    return Bad(absl::StrCat("magic 0x", absl::Hex(magic), ", expected 0x", absl::Hex(kFrameMagic),
+                            " (is the peer an rdmarpc endpoint?)"));
+  if (auto version = std::to_integer<uint8_t>(p[2]); version != kFrameVersion)
+    return Bad(absl::StrCat("version ", version, ", this build speaks version ", kFrameVersion));
+  auto type = std::to_integer<uint8_t>(p[3]);
+  if (type < static_cast<uint8_t>(FrameType::kRequest) || type > static_cast<uint8_t>(FrameType::kPong))
+    return Bad(absl::StrCat("unknown frame type ", type));
+  if (auto flags = std::to_integer<uint8_t>(p[4]); flags != 0) return Bad(absl::StrCat("reserved flags 0x", absl::Hex(flags)));
+  auto status = std::to_integer<uint8_t>(p[5]);
+  if (status > kMaxStatusCode) return Bad(absl::StrCat("status code ", status, " out of range"));
+  FrameHeader& h = out.header;
+  h.type = static_cast<FrameType>(type);
+  h.status = static_cast<StatusCode>(status);
+  h.metadata_length = Get16(p + 6);
+  h.method_id = Get32(p + 8);
+  h.payload_length = Get32(p + 12);
+  h.call_id = Get64(p + 16);
+  h.timeout_us = Get64(p + 24);
+  const uint64_t expected = kFrameHeaderSize + uint64_t{h.metadata_length} + uint64_t{h.payload_length};
+  if (expected != bytes.size())
+    return Bad(absl::StrCat("header says ", expected, " bytes (metadata ", h.metadata_length, ", payload ",
+                            h.payload_length, "), message has ", bytes.size()));
+  const bool needs_call = h.type == FrameType::kRequest || h.type == FrameType::kResponse ||
+                          h.type == FrameType::kCancel;
+  if (needs_call && h.call_id == 0) return Bad("call id 0");
+  if (h.type != FrameType::kResponse && h.status != StatusCode::kOk)
+    return Bad("status set on a frame that is not a response");
+  // Metadata: whole entries, exactly filling the block.
+  out.metadata = bytes.subspan(kFrameHeaderSize, h.metadata_length);
+  size_t off = 0, entries = 0;
+  while (off < out.metadata.size()) {
+    if (out.metadata.size() - off < 4) return Bad("truncated metadata entry header");
+    size_t k = Get16(out.metadata.data() + off), v = Get16(out.metadata.data() + off + 2);
+    if (out.metadata.size() - off - 4 < k + v) return Bad("metadata entry runs past its block");
+    if (k == 0) return Bad("metadata entry with an empty key");
+    off += 4 + k + v;
+    if (++entries > kMaxMetadataEntries)
+      return Bad(absl::StrCat("more than ", kMaxMetadataEntries, " metadata entries"));
+  }
+  out.payload = bytes.subspan(kFrameHeaderSize + h.metadata_length, h.payload_length);
+  return absl::OkStatus();
+}
+
+void ParseMetadata(std::span<const std::byte> block, Metadata& out) {
+  size_t off = 0;
+  while (off + 4 <= block.size()) {
+    size_t k = Get16(block.data() + off), v = Get16(block.data() + off + 2);
+    const char* base = reinterpret_cast<const char*>(block.data() + off + 4);
+    out.emplace_back(std::string(base, k), std::string(base + k, v));
+    off += 4 + k + v;
+  }
+}
+
+}  // namespace rdmarpc::rpc

@@ -1,0 +1,446 @@
+#include "rpc/server.h"
+
+#include <boost/asio/bind_cancellation_slot.hpp>
+#include <boost/asio/cancellation_signal.hpp>
+#include <boost/asio/co_spawn.hpp>
+#include <boost/asio/dispatch.hpp>
+#include <boost/asio/io_context.hpp>
+#include <boost/asio/post.hpp>
+#include <boost/asio/steady_timer.hpp>
+#include <boost/system/system_error.hpp>
+
+#include "absl/container/flat_hash_map.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "rpc/frame.h"
+#include "transport/common/log.h"
+#include "transport/completion.h"
+
+namespace rdmarpc {
+
+using google::protobuf::MessageLite;
+using transport::Connection;
+using transport::Message;
+
+class Server::Impl : public std::enable_shared_from_this<Impl> {
+ public:
+  Impl(asio::any_io_executor ex, ServerOptions options)
+      : ex_(std::move(ex)), options_(std::move(options)), grace_timer_(ex_) {}
+
+  Status AddService(Service& service);
+  Status Start();
+  const std::vector<std::string>& uris() const { return uris_; }
+  void Shutdown(std::chrono::milliseconds grace, asio::any_completion_handler<void()> handler);
+  void Stop();
+  const ServerStats& stats() const { return stats_; }
+  const asio::any_io_executor& executor() const { return ex_; }
+
+ private:
+  struct Call;
+  struct Conn {
+    std::unique_ptr<Connection> c;
+    std::string peer;
+    bool dead = false;
+    absl::flat_hash_map<uint64_t, Call*> calls;
+  };
+  struct Call {
+    explicit Call(const asio::any_io_executor& ex) : deadline_timer(ex) {}
+    std::shared_ptr<Conn> conn;
+    uint64_t id = 0;
+    Service* service = nullptr;
+    const Service::Method* method = nullptr;
+    std::unique_ptr<MessageLite> request;
+    std::unique_ptr<MessageLite> response;
+    ServerContext ctx;
+    asio::cancellation_signal cancel;
+    asio::steady_timer deadline_timer;
+    bool answered = false;
+  };
+  struct Entry {
+    Service* service;
+    const Service::Method* method;
+  };
+
+  void Accept(transport::Listener* listener);
+  void Receive(std::shared_ptr<Conn> conn);
+  void OnReceive(const std::shared_ptr<Conn>& conn, absl::StatusOr<Message> message);
+  void OnRequest(const std::shared_ptr<Conn>& conn, Message message, const rpc::DecodedFrame& f);
+  void OnHandlerDone(Call* call, std::exception_ptr error, Status status);
+  void CancelCall(Call* call, StatusCode reason, const Status* answer);
+  void Respond(const std::shared_ptr<Conn>& conn, uint64_t call_id, Status status, const MessageLite* response);
+  void SendControl(const std::shared_ptr<Conn>& conn, rpc::FrameType type, bool close_after);
+  void CloseConn(const std::shared_ptr<Conn>& conn, const Status& why);
+  void MaybeCloseDrained(const std::shared_ptr<Conn>& conn);
+  void MaybeFinishShutdown();
+  std::string ServiceNames() const;
+
+  asio::any_io_executor ex_;
+  ServerOptions options_;
+  absl::flat_hash_map<uint32_t, Entry> methods_;
+  std::vector<Service*> services_;
+  std::vector<std::unique_ptr<transport::Listener>> listeners_;
+  std::vector<std::string> uris_;
+  std::vector<std::shared_ptr<Conn>> conns_;
+  bool started_ = false;
+  bool shutting_down_ = false;
+  bool stopped_ = false;
+  asio::steady_timer grace_timer_;
+  std::vector<asio::any_completion_handler<void()>> shutdown_waiters_;
+  ServerStats stats_;
+};
+
+Status Server::Impl::AddService(Service& service) {
+  if (started_) return Status(StatusCode::kFailedPrecondition, "AddService() after Start()");
+  for (const auto& m : service.methods()) {
+    if (auto it = methods_.find(m.info.id); it != methods_.end())
+      return Status(StatusCode::kAlreadyExists,
+                    absl::StrCat("method id 0x", absl::Hex(m.info.id), " of ", internal::Sv(m.info.full_name),
+                                 " is already served by ", internal::Sv(it->second.method->info.full_name),
+                                 " (same method registered twice, or an id collision: rename one)"));
+  }
+  for (const auto& m : service.methods()) methods_.emplace(m.info.id, Entry{&service, &m});
+  services_.push_back(&service);
+  return Status();
+}
+
+Status Server::Impl::Start() {
+  if (started_) return Status(StatusCode::kFailedPrecondition, "Start() called twice");
+  if (options_.listen.empty()) return InvalidArgumentError("ServerOptions::listen is empty: give at least one URI");
+  for (const auto& text : options_.listen) {
+    auto uri = transport::ParseUri(text);
+    absl::StatusOr<std::unique_ptr<transport::Listener>> listener =
+        uri.ok() ? ListenOn(ex_, *uri, options_.transport) : absl::StatusOr<std::unique_ptr<transport::Listener>>(uri.status());
+    if (!listener.ok()) {
+      for (auto& l : listeners_) l->Close();
+      listeners_.clear();
+      uris_.clear();
+      auto s = Status::FromAbsl(listener.status());
+      return Status(s.code(), absl::StrCat("cannot listen on ", text, ": ", s.message()));
+    }
+    uris_.push_back((*listener)->local_uri());
+    listeners_.push_back(std::move(*listener));
+  }
+  started_ = true;
+  for (auto& l : listeners_) {
+    RDMARPC_LOG(kInfo, "server", "event=listening uri=", l->local_uri());
+    Accept(l.get());
+  }
+  return Status();
+}
+
+void Server::Impl::Accept(transport::Listener* listener) {
+  listener->Accept([self = shared_from_this(), listener](absl::StatusOr<std::unique_ptr<Connection>> c) {
+    if (self->stopped_ || self->shutting_down_) {
+      if (c.ok()) (*c)->Close();
+      return;
+    }
+    if (!c.ok()) {
+      if (c.status().code() == absl::StatusCode::kCancelled) return;  // listener closed
+      // A client whose handshake failed: that client's problem, keep serving.
+      RDMARPC_LOG(kWarn, "server", "event=accept_failed error=\"", c.status().ToString(), "\"");
+      self->Accept(listener);
+      return;
+    }
+    auto conn = std::make_shared<Conn>();
+    conn->c = std::move(*c);
+    conn->peer = conn->c->peer();
+    ++self->stats_.connections_accepted;
+    ++self->stats_.connections_open;
+    self->conns_.push_back(conn);
+    RDMARPC_LOG(kInfo, "server", "event=accepted peer=", conn->peer);
+    self->Receive(conn);
+    self->Accept(listener);
+  });
+}
+
+void Server::Impl::Receive(std::shared_ptr<Conn> conn) {
+  Connection* c = conn->c.get();
+  c->Receive([self = shared_from_this(), conn = std::move(conn)](absl::StatusOr<Message> m) {
+    self->OnReceive(conn, std::move(m));
+  });
+}
+
+void Server::Impl::OnReceive(const std::shared_ptr<Conn>& conn, absl::StatusOr<Message> message) {
+  if (!message.ok()) {
+    CloseConn(conn, Status::FromAbsl(message.status()));
+    return;
+  }
+  rpc::DecodedFrame f;
+  if (auto st = rpc::DecodeFrame(message->data(), f); !st.ok()) {
+    ++stats_.bad_frames;
+    RDMARPC_LOG(kWarn, "server", "event=bad_frame peer=", conn->peer, " error=\"", st.message(),
+                "\" action=close_connection");
+    CloseConn(conn, InvalidArgumentError(std::string(st.message())));
+    return;
+  }
+  switch (f.header.type) {
+    case rpc::FrameType::kRequest:
+      OnRequest(conn, std::move(*message), f);
+      break;
+    case rpc::FrameType::kCancel:
+      if (auto it = conn->calls.find(f.header.call_id); it != conn->calls.end())
+        CancelCall(it->second, StatusCode::kCancelled, nullptr);
+      break;
+    case rpc::FrameType::kPing:
+      message->Reset();
+      SendControl(conn, rpc::FrameType::kPong, false);
+      break;
+    case rpc::FrameType::kPong:
+      break;
+    case rpc::FrameType::kResponse:
+    case rpc::FrameType::kGoaway:
+      ++stats_.bad_frames;
+      RDMARPC_LOG(kWarn, "server", "event=bad_frame peer=", conn->peer,
+                  " error=\"client sent a server-only frame\" action=close_connection");
+      CloseConn(conn, InvalidArgumentError("client sent a server-only frame"));
+      return;
+  }
+  if (!conn->dead) Receive(conn);
+}
+
+void Server::Impl::OnRequest(const std::shared_ptr<Conn>& conn, Message message, const rpc::DecodedFrame& f) {
+  const uint64_t id = f.header.call_id;
+  ++stats_.calls_started;
+  if (conn->calls.contains(id)) {
+    ++stats_.bad_frames;
+    RDMARPC_LOG(kWarn, "server", "event=bad_frame peer=", conn->peer, " error=\"call id ", id,
+                " reused while in flight\" action=close_connection");
+    CloseConn(conn, InvalidArgumentError("call id reused while in flight"));
+    return;
+  }
+  if (shutting_down_ || stopped_)
+    return Respond(conn, id, UnavailableError("server is shutting down; reconnect elsewhere"), nullptr);
+  if (conn->calls.size() >= options_.max_calls_per_connection)
+    return Respond(conn, id,
+                   ResourceExhaustedError(absl::StrCat("more than ", options_.max_calls_per_connection,
+                                                       " calls in flight on this connection")),
+                   nullptr);
+  auto it = methods_.find(f.header.method_id);
+  if (it == methods_.end()) {
+    ++stats_.unknown_methods;
+    return Respond(conn, id,
+                   UnimplementedError(absl::StrCat("method id 0x", absl::Hex(f.header.method_id),
+                                                   " is not served here (services: ", ServiceNames(), ")")),
+                   nullptr);
+  }
+  const Entry entry = it->second;
+  if (entry.method->invoke == nullptr)
+    return Respond(conn, id,
+                   UnimplementedError(absl::StrCat(internal::Sv(entry.method->info.full_name),
+                                                   " is a streaming method; this server has no stream runtime")),
+                   nullptr);
+  auto call = std::make_unique<Call>(ex_);
+  call->conn = conn;
+  call->id = id;
+  call->service = entry.service;
+  call->method = entry.method;
+  call->request.reset(entry.method->request_prototype().New());
+  call->response.reset(entry.method->response_prototype().New());
+  if (!call->request->ParseFromArray(f.payload.data(), static_cast<int>(f.payload.size())))
+    return Respond(conn, id,
+                   InvalidArgumentError(absl::StrCat("request for ", internal::Sv(entry.method->info.full_name),
+                                                     " does not parse as ", call->request->GetTypeName())),
+                   nullptr);
+  call->ctx.Reset(&conn->peer);
+  rpc::ParseMetadata(f.metadata, call->ctx.mutable_metadata());
+  message.Reset();  // the receive buffer goes back to the transport (and its credit to the peer)
+  Call* raw = call.release();
+  conn->calls.emplace(id, raw);
+  ++stats_.calls_in_flight;
+  if (f.header.timeout_us != 0) {
+    const auto deadline = Clock::now() + std::chrono::microseconds(
+                                             std::min<uint64_t>(f.header.timeout_us, uint64_t{1} << 40));
+    raw->ctx.set_deadline(deadline);
+    raw->deadline_timer.expires_at(deadline);
+    raw->deadline_timer.async_wait([self = shared_from_this(), raw, us = f.header.timeout_us](boost::system::error_code ec) {
+      if (ec || raw->answered) return;
+      Status answer = DeadlineExceededError(absl::StrCat("deadline of ", us, " us passed on the server"));
+      self->CancelCall(raw, StatusCode::kDeadlineExceeded, &answer);
+    });
+  }
+  asio::co_spawn(ex_, entry.method->invoke(*raw->service, raw->ctx, *raw->request, *raw->response),
+                 asio::bind_cancellation_slot(raw->cancel.slot(),
+                                              [self = shared_from_this(), raw](std::exception_ptr e, Status st) {
+                                                self->OnHandlerDone(raw, e, std::move(st));
+                                              }));
+}
+
+void Server::Impl::CancelCall(Call* call, StatusCode reason, const Status* answer) {
+  if (call->ctx.is_cancelled()) return;
+  ++stats_.calls_cancelled;
+  call->ctx.MarkCancelled(reason);
+  if (!call->answered) {
+    call->answered = true;
+    if (answer != nullptr) Respond(call->conn, call->id, *answer, nullptr);
+  }
+  call->cancel.emit(asio::cancellation_type::terminal);
+}
+
+void Server::Impl::OnHandlerDone(Call* raw, std::exception_ptr error, Status status) {
+  std::unique_ptr<Call> call(raw);
+  call->deadline_timer.cancel();
+  if (!call->answered) {
+    if (error) {
+      try {
+        std::rethrow_exception(error);
+      } catch (const boost::system::system_error& e) {
+        status = call->ctx.is_cancelled() ? Status(call->ctx.cancel_reason(), "handler cancelled")
+                                          : InternalError(absl::StrCat("handler of ", internal::Sv(call->method->info.full_name),
+                                                                       " threw: ", e.what()));
+      } catch (const std::exception& e) {
+        status = InternalError(absl::StrCat("handler of ", internal::Sv(call->method->info.full_name), " threw: ", e.what()));
+      } catch (...) {
+        status = InternalError(absl::StrCat("handler of ", internal::Sv(call->method->info.full_name), " threw"));
+      }
+    }
+    call->answered = true;
+    Respond(call->conn, call->id, std::move(status), call->response.get());
+  }
+  call->conn->calls.erase(call->id);
+  --stats_.calls_in_flight;
+  ++stats_.calls_finished;
+  MaybeCloseDrained(call->conn);
+  call.reset();
+  MaybeFinishShutdown();
+}
+
+void Server::Impl::Respond(const std::shared_ptr<Conn>& conn, uint64_t call_id, Status status,
+                           const MessageLite* response) {
+  if (conn->dead) return;
+  size_t body = status.ok() ? response->ByteSizeLong() : status.message().size();
+  if (status.ok() && rpc::kFrameHeaderSize + body > conn->c->max_message_size()) {
+    status = ResourceExhaustedError(absl::StrCat("response of ", body, " bytes exceeds the connection's ",
+                                                 conn->c->max_message_size(), "-byte message limit"));
+    body = status.message().size();
+  }
+  if (!status.ok() && rpc::kFrameHeaderSize + body > conn->c->max_message_size()) {
+    status = Status(status.code(), status.message().substr(0, 1024));
+    body = status.message().size();
+  }
+  auto buffer = conn->c->Prepare(rpc::kFrameHeaderSize + body);
+  if (!buffer.ok()) {
+    RDMARPC_LOG(kWarn, "server", "event=respond_failed peer=", conn->peer, " error=\"", buffer.status().ToString(), "\"");
+    return;
+  }
+  rpc::FrameHeader h;
+  h.type = rpc::FrameType::kResponse;
+  h.status = status.code();
+  h.payload_length = static_cast<uint32_t>(body);
+  h.call_id = call_id;
+  std::span<std::byte> out = buffer->data();
+  rpc::EncodeFrameHead(h, {}, out);
+  if (status.ok())
+    response->SerializeWithCachedSizesToArray(reinterpret_cast<uint8_t*>(out.data() + rpc::kFrameHeaderSize));
+  else if (body > 0)
+    std::memcpy(out.data() + rpc::kFrameHeaderSize, status.message().data(), body);
+  conn->c->Send(std::move(*buffer), [self = shared_from_this(), conn](absl::Status st) {
+    if (!st.ok()) self->CloseConn(conn, Status::FromAbsl(st));
+  });
+}
+
+void Server::Impl::SendControl(const std::shared_ptr<Conn>& conn, rpc::FrameType type, bool close_after) {
+  if (conn->dead) return;
+  auto buffer = conn->c->Prepare(rpc::kFrameHeaderSize);
+  if (!buffer.ok()) return;
+  rpc::FrameHeader h;
+  h.type = type;
+  rpc::EncodeFrameHead(h, {}, buffer->data());
+  conn->c->Send(std::move(*buffer), [self = shared_from_this(), conn, close_after](absl::Status) {
+    if (close_after) self->MaybeCloseDrained(conn);
+  });
+}
+
+void Server::Impl::CloseConn(const std::shared_ptr<Conn>& conn, const Status& why) {
+  if (conn->dead) return;
+  conn->dead = true;
+  conn->c->Close();
+  --stats_.connections_open;
+  std::erase(conns_, conn);
+  RDMARPC_LOG(kInfo, "server", "event=disconnected peer=", conn->peer, " reason=\"", why.ToString(),
+              "\" calls_cancelled=", conn->calls.size());
+  std::vector<Call*> calls;
+  for (auto& [id, call] : conn->calls) calls.push_back(call);
+  for (Call* call : calls) {
+    call->answered = true;  // nobody to answer
+    CancelCall(call, StatusCode::kUnavailable, nullptr);
+  }
+  MaybeFinishShutdown();
+}
+
+void Server::Impl::MaybeCloseDrained(const std::shared_ptr<Conn>& conn) {
+  if ((shutting_down_ || stopped_) && conn->calls.empty() && !conn->dead) {
+    // The last response is queued before the close; a transport completes
+    // queued sends before it tears the connection down only if it gets the
+    // chance, so close from the executor after this turn.
+    asio::post(ex_, [self = shared_from_this(), conn] { self->CloseConn(conn, Status(StatusCode::kUnavailable, "drained")); });
+  }
+}
+
+void Server::Impl::Shutdown(std::chrono::milliseconds grace, asio::any_completion_handler<void()> handler) {
+  shutdown_waiters_.emplace_back(std::move(handler));
+  if (!shutting_down_) {
+    shutting_down_ = true;
+    RDMARPC_LOG(kInfo, "server", "event=shutdown connections=", conns_.size(), " calls_in_flight=",
+                stats_.calls_in_flight);
+    for (auto& l : listeners_) l->Close();
+    for (auto conn : std::vector(conns_)) SendControl(conn, rpc::FrameType::kGoaway, true);
+    grace_timer_.expires_after(grace);
+    grace_timer_.async_wait([self = shared_from_this()](boost::system::error_code ec) {
+      if (ec) return;
+      Status answer = UnavailableError("server shut down before the call finished");
+      for (auto conn : std::vector(self->conns_)) {
+        std::vector<Call*> calls;
+        for (auto& [id, call] : conn->calls) calls.push_back(call);
+        for (Call* call : calls) self->CancelCall(call, StatusCode::kUnavailable, &answer);
+      }
+    });
+  }
+  MaybeFinishShutdown();
+}
+
+void Server::Impl::MaybeFinishShutdown() {
+  if (!shutting_down_ || stats_.calls_in_flight != 0 || !conns_.empty() || shutdown_waiters_.empty()) return;
+  grace_timer_.cancel();
+  for (auto& w : std::exchange(shutdown_waiters_, {})) transport::PostCompletion(ex_, std::move(w));
+}
+
+void Server::Impl::Stop() {
+  if (stopped_) return;
+  stopped_ = true;
+  shutting_down_ = true;
+  grace_timer_.cancel();
+  for (auto& l : listeners_) l->Close();
+  for (auto conn : std::vector(conns_)) CloseConn(conn, UnavailableError("server stopped"));
+}
+
+std::string Server::Impl::ServiceNames() const {
+  std::vector<std::string> names;
+  for (Service* s : services_) names.emplace_back(s->service_name());
+  return absl::StrJoin(names, ", ");
+}
+
+// ---- Server -------------------------------------------------------------------
+
+Server::Server(asio::any_io_executor ex, ServerOptions options)
+    : impl_(std::make_shared<Impl>(std::move(ex), std::move(options))) {}
+
+Server::~Server() {
+  const auto& ex = impl_->executor();
+  if (const auto* io = ex.target<asio::io_context::executor_type>(); io && io->running_in_this_thread()) {
+    impl_->Stop();
+    return;
+  }
+  asio::post(ex, [impl = impl_] { impl->Stop(); });
+}
+
+Status Server::AddService(Service& service) { return impl_->AddService(service); }
+Status Server::Start() { return impl_->Start(); }
+std::vector<std::string> Server::local_uris() const { return impl_->uris(); }
+void Server::Shutdown(std::chrono::milliseconds grace, asio::any_completion_handler<void()> handler) {
+  asio::dispatch(impl_->executor(), [impl = impl_, grace, h = std::move(handler)]() mutable {
+    impl->Shutdown(grace, std::move(h));
+  });
+}
+ServerStats Server::stats() const { return impl_->stats(); }
+
+}  // namespace rdmarpc

@@ -1,0 +1,96 @@
+// Server: serves registered services on one or more URIs (rdma:// and tcp://
+// at once), one receive loop per connection, one handler coroutine per call.
+//
+// Threads: the server and all its connections live on the executor it was
+// made with (one thread running the io_context, or a strand); handlers run
+// there as coroutines and may co_await anything.
+//
+// Per call: the request is parsed straight from the transport's receive
+// buffer, the response serialised straight into the send buffer. The deadline
+// the client sent is enforced here too: at the deadline the client is answered
+// DEADLINE_EXCEEDED and the handler is cancelled (terminal cancellation of
+// what it awaits; ServerContext::is_cancelled()). A CANCEL from the client, or
+// the client's connection dropping, cancels the handler the same way.
+//
+// Errors answered without running a handler: UNIMPLEMENTED (method not
+// served, or a streaming method), INVALID_ARGUMENT (request does not parse),
+// RESOURCE_EXHAUSTED (too many calls in flight on the connection, or a
+// response too big for it), UNAVAILABLE (server shutting down). A malformed
+// frame closes that connection only (logged with its reason).
+#pragma once
+
+#include <chrono>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <boost/asio/any_completion_handler.hpp>
+#include <boost/asio/any_io_executor.hpp>
+#include <boost/asio/async_result.hpp>
+
+#include "rpc/endpoint.h"
+#include "rpc/service.h"
+#include "rpc/status.h"
+
+namespace rdmarpc {
+
+struct ServerOptions {
+  // "rdma://10.0.0.1:7000", "tcp://0.0.0.0:7001"; port 0 picks a free port
+  // (see local_uris()).
+  std::vector<std::string> listen;
+  TransportOptions transport;
+  // Calls in flight per connection at most; more are answered RESOURCE_EXHAUSTED.
+  size_t max_calls_per_connection = 4096;
+};
+
+struct ServerStats {
+  uint64_t connections_accepted = 0;
+  uint64_t connections_open = 0;
+  uint64_t calls_started = 0;
+  uint64_t calls_finished = 0;        // Answered, or abandoned by a cancelled client.
+  uint64_t calls_in_flight = 0;
+  uint64_t calls_cancelled = 0;       // Client cancel, deadline, or disconnect.
+  uint64_t bad_frames = 0;            // Connections closed for a malformed frame.
+  uint64_t unknown_methods = 0;
+};
+
+class Server {
+ public:
+  Server(asio::any_io_executor ex, ServerOptions options);
+  // Stops at once: listeners closed, connections closed, handlers cancelled.
+  // Prefer async_shutdown() for a graceful stop.
+  ~Server();
+  Server(const Server&) = delete;
+  Server& operator=(const Server&) = delete;
+
+  // Before Start(). The service must outlive the server. Fails with
+  // ALREADY_EXISTS if a method id is already served (naming both methods).
+  Status AddService(Service& service);
+  // Binds every listen URI; on any failure nothing is left listening and the
+  // error names the URI.
+  Status Start();
+  // The URIs clients connect to, ports resolved; valid after Start().
+  std::vector<std::string> local_uris() const;
+
+  // Graceful stop: no new connections; connected clients get GOAWAY; calls
+  // that arrive afterwards are answered UNAVAILABLE; calls in flight run to
+  // completion. After `grace` the remaining handlers are cancelled. Completes
+  // (void()) once every handler has returned and every connection is closed.
+  template <typename Token>
+  auto async_shutdown(std::chrono::milliseconds grace, Token&& token) {
+    return asio::async_initiate<Token, void()>(
+        [this](auto handler, std::chrono::milliseconds g) { Shutdown(g, asio::any_completion_handler<void()>(std::move(handler))); },
+        token, grace);
+  }
+  void Shutdown(std::chrono::milliseconds grace, asio::any_completion_handler<void()> handler);
+
+  // On the server's executor.
+  ServerStats stats() const;
+
+  class Impl;
+
+ private:
+  std::shared_ptr<Impl> impl_;
+};
+
+}  // namespace rdmarpc

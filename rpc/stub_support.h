@@ -1,0 +1,147 @@
+// What generated stubs expand to: async_initiate over a ChannelInterface,
+// with a wrapper that parses the response on the channel's executor (where the
+// receive buffer must be released) and then hands (error_code, Resp) to the
+// user's handler on the handler's associated executor.
+#pragma once
+
+#include <memory>
+#include <utility>
+
+#include <boost/asio/append.hpp>
+#include <boost/asio/associator.hpp>
+#include <boost/asio/async_result.hpp>
+#include <boost/asio/post.hpp>
+#include <boost/asio/dispatch.hpp>
+
+#include "absl/strings/str_cat.h"
+#include "rpc/call.h"
+#include "rpc/status.h"
+#include "rpc/stream.h"
+
+namespace rdmarpc::internal {
+
+// Resp by value: completion signature void(error_code, Resp).
+template <typename Resp, typename Handler>
+class UnaryValueCompletion {
+ public:
+  UnaryValueCompletion(Handler handler, ClientContext* ctx, asio::any_io_executor fallback)
+      : handler_(std::move(handler)), ctx_(ctx), fallback_(std::move(fallback)) {}
+
+  void operator()(boost::system::error_code ec, ResponsePayload payload) {
+    Resp response;
+    if (!ec && !payload.ParseTo(response)) {
+      ctx_->SetResult(InternalError(absl::StrCat("response does not parse as ", response.GetTypeName())));
+      ec = make_error_code(StatusCode::kInternal);
+    }
+    payload.Reset();
+    auto ex = asio::get_associated_executor(handler_, fallback_);
+    asio::dispatch(ex, asio::append(std::move(handler_), ec, std::move(response)));
+  }
+
+  Handler handler_;
+
+ private:
+  ClientContext* ctx_;
+  asio::any_io_executor fallback_;
+};
+
+// Into the caller's Resp: completion signature void(error_code). Reusing one
+// response object across calls keeps its string capacity: no allocation.
+template <typename Handler>
+class UnaryIntoCompletion {
+ public:
+  UnaryIntoCompletion(Handler handler, ClientContext* ctx, google::protobuf::MessageLite* out,
+                      asio::any_io_executor fallback)
+      : handler_(std::move(handler)), ctx_(ctx), out_(out), fallback_(std::move(fallback)) {}
+
+  void operator()(boost::system::error_code ec, ResponsePayload payload) {
+    if (!ec && !payload.ParseTo(*out_)) {
+      ctx_->SetResult(InternalError(absl::StrCat("response does not parse as ", out_->GetTypeName())));
+      ec = make_error_code(StatusCode::kInternal);
+    }
+    payload.Reset();
+    auto ex = asio::get_associated_executor(handler_, fallback_);
+    asio::dispatch(ex, asio::append(std::move(handler_), ec));
+  }
+
+  Handler handler_;
+
+ private:
+  ClientContext* ctx_;
+  google::protobuf::MessageLite* out_;
+  asio::any_io_executor fallback_;
+};
+
+template <typename Resp, typename Req, typename Token>
+auto AsyncUnary(std::shared_ptr<ChannelInterface> channel, ClientContext& ctx, const MethodInfo& method,
+                const Req& request, Token&& token) {
+  return asio::async_initiate<Token, void(boost::system::error_code, Resp)>(
+      [](auto handler, std::shared_ptr<ChannelInterface> ch, ClientContext* c, const MethodInfo* m, const Req* r) {
+        auto ex = ch->get_executor();
+        using H = std::decay_t<decltype(handler)>;
+        ch->StartCall(*c, *m, *r, CallHandler(UnaryValueCompletion<Resp, H>(std::move(handler), c, std::move(ex))));
+      },
+      token, std::move(channel), &ctx, &method, &request);
+}
+
+template <typename Resp, typename Req, typename Token>
+auto AsyncUnaryInto(std::shared_ptr<ChannelInterface> channel, ClientContext& ctx, const MethodInfo& method,
+                    const Req& request, Resp& response, Token&& token) {
+  return asio::async_initiate<Token, void(boost::system::error_code)>(
+      [](auto handler, std::shared_ptr<ChannelInterface> ch, ClientContext* c, const MethodInfo* m, const Req* r,
+         Resp* out) {
+        auto ex = ch->get_executor();
+        using H = std::decay_t<decltype(handler)>;
+        ch->StartCall(*c, *m, *r, CallHandler(UnaryIntoCompletion<H>(std::move(handler), c, out, std::move(ex))));
+      },
+      token, std::move(channel), &ctx, &method, &request, &response);
+}
+
+}  // namespace rdmarpc::internal
+
+// The wrappers carry the user's handler's associated executor, allocator and
+// cancellation slot (as Asio's own wrappers do).
+template <template <typename, typename> class Associator, typename Resp, typename Handler, typename Default>
+struct boost::asio::associator<Associator, rdmarpc::internal::UnaryValueCompletion<Resp, Handler>, Default>
+    : Associator<Handler, Default> {
+  static typename Associator<Handler, Default>::type get(
+      const rdmarpc::internal::UnaryValueCompletion<Resp, Handler>& h) noexcept {
+    return Associator<Handler, Default>::get(h.handler_);
+  }
+  static auto get(const rdmarpc::internal::UnaryValueCompletion<Resp, Handler>& h, const Default& d) noexcept
+      -> decltype(Associator<Handler, Default>::get(h.handler_, d)) {
+    return Associator<Handler, Default>::get(h.handler_, d);
+  }
+};
+
+template <template <typename, typename> class Associator, typename Handler, typename Default>
+struct boost::asio::associator<Associator, rdmarpc::internal::UnaryIntoCompletion<Handler>, Default>
+    : Associator<Handler, Default> {
+  static typename Associator<Handler, Default>::type get(
+      const rdmarpc::internal::UnaryIntoCompletion<Handler>& h) noexcept {
+    return Associator<Handler, Default>::get(h.handler_);
+  }
+  static auto get(const rdmarpc::internal::UnaryIntoCompletion<Handler>& h, const Default& d) noexcept
+      -> decltype(Associator<Handler, Default>::get(h.handler_, d)) {
+    return Associator<Handler, Default>::get(h.handler_, d);
+  }
+};
+
+namespace rdmarpc::internal {
+
+// Streaming methods: the stream runtime is not in this release (rpc/stream.h);
+// the call completes UNIMPLEMENTED without touching the network.
+template <typename StreamEnd, typename Token>
+auto AsyncStreamUnavailable(std::shared_ptr<ChannelInterface> channel, ClientContext& ctx, const MethodInfo& method,
+                            Token&& token) {
+  return asio::async_initiate<Token, void(boost::system::error_code, StreamEnd)>(
+      [](auto handler, std::shared_ptr<ChannelInterface> ch, ClientContext* c, const MethodInfo* m) {
+        c->SetResult(UnimplementedError(absl::StrCat(Sv(m->full_name), " is a streaming method; streams are not in this release")));
+        // post() runs it on the handler's associated executor (default: the channel's).
+        asio::post(ch->get_executor(),
+                   asio::append(std::move(handler), make_error_code(StatusCode::kUnimplemented), StreamEnd{}));
+      },
+      token, std::move(channel), &ctx, &method);
+}
+
+}  // namespace rdmarpc::internal

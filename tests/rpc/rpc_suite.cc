@@ -1,0 +1,779 @@
+#include "tests/rpc/rpc_suite.h"
+
+#include <atomic>
+#include <future>
+#include <optional>
+#include <thread>
+#include <vector>
+
+#include <boost/asio/as_tuple.hpp>
+#include <boost/asio/bind_cancellation_slot.hpp>
+#include <boost/asio/cancellation_signal.hpp>
+#include <boost/asio/co_spawn.hpp>
+#include <boost/asio/deferred.hpp>
+#include <boost/asio/detached.hpp>
+#include <boost/asio/executor_work_guard.hpp>
+#include <boost/asio/io_context.hpp>
+#include <boost/asio/post.hpp>
+#include <boost/asio/steady_timer.hpp>
+#include <boost/asio/this_coro.hpp>
+#include <boost/asio/use_awaitable.hpp>
+#include <boost/asio/use_future.hpp>
+#include <boost/system/system_error.hpp>
+
+#include "rdmarpc/test/rpc_test.rdmarpc.pb.h"
+#include "rpc/channel.h"
+#include "rpc/frame.h"
+#include "rpc/server.h"
+#include "transport/uri.h"
+
+namespace rdmarpc::testing {
+namespace {
+
+namespace asio = boost::asio;
+using rdmarpc::test::Empty;
+using rdmarpc::test::FailRequest;
+using rdmarpc::test::MetadataReply;
+using rdmarpc::test::Payload;
+using rdmarpc::test::SleepRequest;
+using TestSvc = rdmarpc::test::Test;
+using std::chrono::milliseconds;
+
+class TestService final : public TestSvc::Service {
+ public:
+  asio::awaitable<Status> Echo(ServerContext&, const Payload& request, Payload& response) override {
+    response = request;
+    co_return Status();
+  }
+  asio::awaitable<Status> Sleep(ServerContext& ctx, const SleepRequest& request, Empty&) override {
+    ++sleeps_started;
+    asio::steady_timer timer(co_await asio::this_coro::executor, milliseconds(request.ms()));
+    try {
+      auto [ec] = co_await timer.async_wait(asio::as_tuple(asio::use_awaitable));
+      if (ec) {
+        Observe(ctx);
+        co_return CancelledError("sleep interrupted");
+      }
+    } catch (const boost::system::system_error&) {
+      Observe(ctx);
+      throw;
+    }
+    ++sleeps_finished;
+    co_return Status();
+  }
+  asio::awaitable<Status> Metadata(ServerContext& ctx, const Empty&, MetadataReply& reply) override {
+    for (const auto& [k, v] : ctx.metadata()) reply.add_entries(k + "=" + v);
+    reply.set_peer(ctx.peer());
+    reply.set_has_deadline(ctx.deadline().has_value());
+    co_return Status();
+  }
+  asio::awaitable<Status> Fail(ServerContext&, const FailRequest& request, Empty&) override {
+    co_return Status(static_cast<StatusCode>(request.code()), request.message());
+  }
+  asio::awaitable<Status> Throw(ServerContext&, const Empty&, Empty&) override {
+    throw std::runtime_error("boom from the handler");
+    co_return Status();
+  }
+
+  std::atomic<int> sleeps_started{0};
+  std::atomic<int> sleeps_finished{0};
+  std::atomic<int> sleeps_cancelled{0};
+  std::atomic<StatusCode> cancel_reason{StatusCode::kOk};
+
+ private:
+  void Observe(const ServerContext& ctx) {
+    cancel_reason = ctx.cancel_reason();
+    ++sleeps_cancelled;
+  }
+};
+
+// One io_context on a background thread runs server and channel; the test
+// thread starts calls (they hop to the channel's executor) and waits on futures.
+class Env {
+ public:
+  explicit Env(const RpcTransport& t) : transport_(t), work_(asio::make_work_guard(io_)) {
+    thread_ = std::thread([this] { io_.run(); });
+  }
+  ~Env() {
+    OnIo([this] {
+      channels_.clear();
+      servers_.clear();
+      return 0;
+    });
+    work_.reset();
+    // Let closes and cancellations drain, then stop whatever is left.
+    auto stopper = std::async(std::launch::async, [this] {
+      std::this_thread::sleep_for(milliseconds(200));
+      io_.stop();
+    });
+    thread_.join();
+  }
+
+  template <typename F>
+  auto OnIo(F f) -> decltype(f()) {
+    std::packaged_task<decltype(f())()> task(std::move(f));
+    auto fut = task.get_future();
+    asio::post(io_, [&task] { task(); });
+    if (fut.wait_for(kRpcWait) != std::future_status::ready) {
+      ADD_FAILURE() << "io thread did not run the task within " << kRpcWait.count() << " s";
+      std::abort();  // the task references this frame: cannot return
+    }
+    return fut.get();
+  }
+
+  // Starts a server on `uri` (default: the transport's, port 0); returns its URI.
+  std::string StartServer(std::string uri = "", std::function<void(ServerOptions&)> tweak = {}) {
+    return OnIo([&] {
+      ServerOptions options;
+      options.listen = {uri.empty() ? transport_.listen_uri : uri};
+      options.transport = transport_.options();
+      if (tweak) tweak(options);
+      auto server = std::make_unique<Server>(io_.get_executor(), options);
+      EXPECT_TRUE(server->AddService(service).ok());
+      Status st = server->Start();
+      EXPECT_TRUE(st.ok()) << st.ToString();
+      if (!st.ok()) return std::string();
+      std::string local = server->local_uris().at(0);
+      servers_.push_back(std::move(server));
+      return local;
+    });
+  }
+  Server& server(size_t i = 0) { return *servers_.at(i); }
+  void StopServers() {
+    OnIo([this] {
+      servers_.clear();
+      return 0;
+    });
+  }
+
+  std::shared_ptr<Channel> NewChannel(const std::string& uri, std::function<void(ChannelOptions&)> tweak = {}) {
+    return OnIo([&] {
+      ChannelOptions options;
+      options.transport = transport_.options();
+      if (tweak) tweak(options);
+      auto ch = Channel::Create(io_.get_executor(), uri, options);
+      EXPECT_TRUE(ch.ok()) << ch.status();
+      channels_.push_back(*ch);
+      return *ch;
+    });
+  }
+
+  asio::io_context& io() { return io_; }
+  bool OnIoThread() const { return std::this_thread::get_id() == thread_.get_id(); }
+
+  TestService service;
+
+ private:
+  RpcTransport transport_;
+  asio::io_context io_;
+  asio::executor_work_guard<asio::io_context::executor_type> work_;
+  std::thread thread_;
+  std::vector<std::unique_ptr<Server>> servers_;
+  std::vector<std::shared_ptr<Channel>> channels_;
+};
+
+template <typename T>
+T Get(std::future<T>& f) {
+  if (f.wait_for(kRpcWait) != std::future_status::ready) {
+    ADD_FAILURE() << "call did not complete within " << kRpcWait.count() << " s";
+    std::abort();  // the pending call references this frame
+  }
+  return f.get();
+}
+
+std::string Pattern(size_t n, uint32_t seed) {
+  std::string s(n, '\0');
+  uint32_t x = seed * 2654435761u + 1;
+  for (size_t i = 0; i < n; ++i) {
+    x ^= x << 13;
+    x ^= x >> 17;
+    x ^= x << 5;
+    s[i] = static_cast<char>(x);
+  }
+  return s;
+}
+
+// A completion handler that fulfils a future with (error_code, Resp). (Boost
+// 1.81's as_tuple(use_future) does not compile.)
+template <typename Resp>
+struct Pending {
+  using Result = std::tuple<boost::system::error_code, Resp>;
+  std::shared_ptr<std::promise<Result>> promise = std::make_shared<std::promise<Result>>();
+  std::future<Result> future = promise->get_future();
+  auto token() {
+    return [p = promise](boost::system::error_code ec, Resp r) { p->set_value(Result(ec, std::move(r))); };
+  }
+};
+
+// A call through the generated stub, waited for from the test thread.
+template <typename Resp, typename Call>
+std::pair<StatusCode, Resp> Sync(Call&& start) {
+  Pending<Resp> pending;
+  start(pending.token());
+  auto [ec, resp] = Get(pending.future);
+  return {ToStatusCode(ec), std::move(resp)};
+}
+
+TEST_P(RpcSuite, UnaryEchoKeepsEveryByteFromEmptyTo16MiB) {
+  Env env(GetParam());
+  auto channel = env.NewChannel(env.StartServer());
+  TestSvc::Stub stub(channel);
+  for (size_t size : {size_t{0}, size_t{1}, size_t{100}, size_t{4095}, size_t{4096}, size_t{4097},
+                      size_t{65536}, size_t{1} << 20, size_t{16} << 20}) {
+    Payload req;
+    req.set_data(Pattern(size, static_cast<uint32_t>(size)));
+    req.mutable_meta()->set_seq(size);
+    ClientContext ctx;
+    auto [code, resp] = Sync<Payload>([&](auto token) { return stub.async_Echo(ctx, req, token); });
+    ASSERT_EQ(code, StatusCode::kOk) << size << ": " << ctx.status().ToString();
+    EXPECT_EQ(resp.meta().seq(), size);
+    ASSERT_EQ(resp.data().size(), size);
+    EXPECT_TRUE(resp.data() == req.data()) << "payload of " << size << " bytes corrupted";
+  }
+}
+
+TEST_P(RpcSuite, ThousandConcurrentCallsOnOneChannelEachGetTheirOwnAnswer) {
+  Env env(GetParam());
+  auto channel = env.NewChannel(env.StartServer());
+  TestSvc::Stub stub(channel);
+  constexpr int kCalls = 1000;
+  struct Slot {
+    ClientContext ctx;
+    Payload req;
+  };
+  std::vector<Slot> slots(kCalls);
+  std::promise<void> all_done;
+  std::atomic<int> done{0}, ok{0}, matched{0};
+  int max_in_flight = 0;
+  env.OnIo([&] {
+    for (int i = 0; i < kCalls; ++i) {
+      slots[i].req.set_data(Pattern(static_cast<size_t>(i % 300), static_cast<uint32_t>(i)));
+      slots[i].req.mutable_meta()->set_seq(static_cast<uint64_t>(i));
+      stub.async_Echo(slots[i].ctx, slots[i].req, [&, i](boost::system::error_code ec, Payload resp) {
+        if (!ec) ++ok;
+        if (resp.meta().seq() == static_cast<uint64_t>(i) && resp.data() == slots[i].req.data()) ++matched;
+        if (++done == kCalls) all_done.set_value();
+      });
+    }
+    // All 1000 were started before any completed (handlers never run inline).
+    max_in_flight = kCalls - done.load();
+    return 0;
+  });
+  auto f = all_done.get_future();
+  ASSERT_EQ(f.wait_for(kRpcWait), std::future_status::ready) << done << " of " << kCalls << " completed";
+  EXPECT_EQ(max_in_flight, kCalls);
+  EXPECT_EQ(ok, kCalls);
+  EXPECT_EQ(matched, kCalls);
+  EXPECT_EQ(env.OnIo([&] { return channel->stats().connects; }), 1u);
+}
+
+TEST_P(RpcSuite, DeadlineExceededEndsTheCallOnTimeAndCancelsTheHandler) {
+  Env env(GetParam());
+  auto channel = env.NewChannel(env.StartServer());
+  TestSvc::Stub stub(channel);
+  ClientContext warm;
+  ASSERT_EQ(Sync<Payload>([&](auto t) { return stub.async_Echo(warm, Payload(), t); }).first, StatusCode::kOk);
+
+  SleepRequest req;
+  req.set_ms(30'000);
+  ClientContext ctx;
+  ctx.set_timeout(milliseconds(300));
+  const auto start = Clock::now();
+  auto [code, resp] = Sync<Empty>([&](auto t) { return stub.async_Sleep(ctx, req, t); });
+  const auto took = Clock::now() - start;
+  EXPECT_EQ(code, StatusCode::kDeadlineExceeded) << ctx.status().ToString();
+  EXPECT_GE(took, milliseconds(300));
+  EXPECT_LT(took, milliseconds(300) + std::chrono::seconds(5)) << "deadline fired late";
+  // The server stopped the handler too (its own timer, or the client's CANCEL).
+  for (int i = 0; i < 500 && env.service.sleeps_cancelled == 0; ++i) std::this_thread::sleep_for(milliseconds(10));
+  EXPECT_EQ(env.service.sleeps_cancelled, 1);
+  EXPECT_EQ(env.service.sleeps_finished, 0);
+  StatusCode reason = env.service.cancel_reason;
+  EXPECT_TRUE(reason == StatusCode::kDeadlineExceeded || reason == StatusCode::kCancelled) << StatusCodeName(reason);
+}
+
+TEST_P(RpcSuite, ClientTimerFiresEvenWhenThePeerNeverAnswers) {
+  // A "server" that accepts connections and reads requests but never answers.
+  Env env(GetParam());
+  auto opts = GetParam().options();
+  auto uri = transport::ParseUri(GetParam().listen_uri);
+  ASSERT_TRUE(uri.ok());
+  std::unique_ptr<transport::Listener> listener;
+  std::vector<std::unique_ptr<transport::Connection>> accepted;
+  std::string local = env.OnIo([&] {
+    auto l = ListenOn(env.io().get_executor(), *uri, opts);
+    EXPECT_TRUE(l.ok()) << l.status();
+    listener = std::move(*l);
+    listener->Accept([&](absl::StatusOr<std::unique_ptr<transport::Connection>> c) {
+      if (c.ok()) accepted.push_back(std::move(*c));  // never Receive()d
+    });
+    return listener->local_uri();
+  });
+  auto channel = env.NewChannel(local);
+  TestSvc::Stub stub(channel);
+  ClientContext ctx;
+  ctx.set_timeout(milliseconds(500));
+  Payload req;
+  req.set_data("anyone there?");
+  const auto start = Clock::now();
+  auto [code, resp] = Sync<Payload>([&](auto t) { return stub.async_Echo(ctx, req, t); });
+  EXPECT_EQ(code, StatusCode::kDeadlineExceeded) << ctx.status().ToString();
+  EXPECT_LT(Clock::now() - start, std::chrono::seconds(6));
+  env.OnIo([&] {
+    channel->Close();
+    for (auto& c : accepted) c->Close();
+    listener->Close();
+    return 0;
+  });
+  env.OnIo([&] {  // next turn: the closes have run
+    accepted.clear();
+    listener.reset();
+    return 0;
+  });
+}
+
+TEST_P(RpcSuite, CancellationSlotAbortsTheCallAndTellsTheServer) {
+  Env env(GetParam());
+  auto channel = env.NewChannel(env.StartServer());
+  TestSvc::Stub stub(channel);
+  asio::cancellation_signal signal;
+  SleepRequest req;
+  req.set_ms(30'000);
+  ClientContext ctx;
+  std::promise<boost::system::error_code> result;
+  env.OnIo([&] {
+    stub.async_Sleep(ctx, req,
+                     asio::bind_cancellation_slot(signal.slot(), [&](boost::system::error_code ec, Empty) {
+                       result.set_value(ec);
+                     }));
+    return 0;
+  });
+  for (int i = 0; i < 3000 && env.service.sleeps_started == 0; ++i) std::this_thread::sleep_for(milliseconds(10));
+  ASSERT_EQ(env.service.sleeps_started, 1);
+  env.OnIo([&] {
+    signal.emit(asio::cancellation_type::terminal);
+    return 0;
+  });
+  auto f = result.get_future();
+  auto ec = Get(f);
+  EXPECT_EQ(ToStatusCode(ec), StatusCode::kCancelled);
+  EXPECT_EQ(ctx.status().code(), StatusCode::kCancelled);
+  for (int i = 0; i < 500 && env.service.sleeps_cancelled == 0; ++i) std::this_thread::sleep_for(milliseconds(10));
+  EXPECT_EQ(env.service.sleeps_cancelled, 1) << "the server's handler was not cancelled";
+  EXPECT_EQ(env.service.cancel_reason.load(), StatusCode::kCancelled);
+  // The channel is still good.
+  ClientContext again;
+  EXPECT_EQ(Sync<Payload>([&](auto t) { return stub.async_Echo(again, Payload(), t); }).first, StatusCode::kOk);
+}
+
+TEST_P(RpcSuite, UnknownMethodIsUnimplementedAndNamesWhatIsServed) {
+  Env env(GetParam());
+  auto channel = env.NewChannel(env.StartServer());
+  rdmarpc::test::Unserved::Stub stub(channel);
+  ClientContext ctx;
+  auto [code, resp] = Sync<Empty>([&](auto t) { return stub.async_Nothing(ctx, Empty(), t); });
+  EXPECT_EQ(code, StatusCode::kUnimplemented);
+  EXPECT_NE(ctx.status().message().find("rdmarpc.test.Test"), std::string::npos) << ctx.status().message();
+  EXPECT_EQ(env.OnIo([&] { return env.server().stats().unknown_methods; }), 1u);
+}
+
+TEST_P(RpcSuite, StreamingMethodsCompleteUnimplementedUntilTheStreamRuntimeExists) {
+  Env env(GetParam());
+  auto channel = env.NewChannel(env.StartServer());
+  TestSvc::Stub stub(channel);
+  ClientContext ctx;
+  Pending<ClientReader<Payload>> pending;
+  stub.async_Stream(ctx, Payload(), pending.token());
+  auto [ec, reader] = Get(pending.future);
+  EXPECT_EQ(ToStatusCode(ec), StatusCode::kUnimplemented);
+  EXPECT_NE(ctx.status().message().find("streaming"), std::string::npos);
+}
+
+TEST_P(RpcSuite, MetadataDeadlineAndPeerReachTheHandler) {
+  Env env(GetParam());
+  auto channel = env.NewChannel(env.StartServer());
+  TestSvc::Stub stub(channel);
+  ClientContext ctx;
+  ctx.AddMetadata("tenant", "acme");
+  ctx.AddMetadata("trace-id", std::string(300, 'x'));
+  ctx.set_timeout(std::chrono::seconds(30));
+  auto [code, reply] = Sync<MetadataReply>([&](auto t) { return stub.async_Metadata(ctx, Empty(), t); });
+  ASSERT_EQ(code, StatusCode::kOk) << ctx.status().ToString();
+  ASSERT_EQ(reply.entries_size(), 2);
+  EXPECT_EQ(reply.entries(0), "tenant=acme");
+  EXPECT_EQ(reply.entries(1), "trace-id=" + std::string(300, 'x'));
+  EXPECT_TRUE(reply.has_deadline());
+  EXPECT_FALSE(reply.peer().empty());
+  EXPECT_FALSE(ctx.peer().empty());
+
+  ClientContext bad;
+  bad.AddMetadata("", "empty key");
+  EXPECT_EQ(Sync<MetadataReply>([&](auto t) { return stub.async_Metadata(bad, Empty(), t); }).first,
+            StatusCode::kInvalidArgument);
+}
+
+TEST_P(RpcSuite, HandlerStatusAndExceptionsReachTheClient) {
+  Env env(GetParam());
+  auto channel = env.NewChannel(env.StartServer());
+  TestSvc::Stub stub(channel);
+  FailRequest req;
+  req.set_code(static_cast<uint32_t>(StatusCode::kNotFound));
+  req.set_message("no such key: k1");
+  ClientContext ctx;
+  EXPECT_EQ(Sync<Empty>([&](auto t) { return stub.async_Fail(ctx, req, t); }).first, StatusCode::kNotFound);
+  EXPECT_EQ(ctx.status().message(), "no such key: k1");
+  ClientContext ctx2;
+  EXPECT_EQ(Sync<Empty>([&](auto t) { return stub.async_Throw(ctx2, Empty(), t); }).first, StatusCode::kInternal);
+  EXPECT_NE(ctx2.status().message().find("boom from the handler"), std::string::npos) << ctx2.status().message();
+}
+
+TEST_P(RpcSuite, OversizedRequestIsRefusedLocallyAndLosesNothingElse) {
+  Env env(GetParam());
+  auto limit = [](TransportOptions& t) {
+    t.tcp.max_message_size = 64 << 10;
+    t.rdma.max_message_size = 64 << 10;
+  };
+  auto uri = env.StartServer("", [&](ServerOptions& o) { limit(o.transport); });
+  auto channel = env.NewChannel(uri, [&](ChannelOptions& o) { limit(o.transport); });
+  TestSvc::Stub stub(channel);
+  ClientContext warm;
+  ASSERT_EQ(Sync<Payload>([&](auto t) { return stub.async_Echo(warm, Payload(), t); }).first, StatusCode::kOk);
+  Payload big;
+  big.set_data(std::string(100 << 10, 'b'));
+  ClientContext ctx;
+  EXPECT_EQ(Sync<Payload>([&](auto t) { return stub.async_Echo(ctx, big, t); }).first,
+            StatusCode::kResourceExhausted);
+  EXPECT_NE(ctx.status().message().find("exceeds"), std::string::npos) << ctx.status().message();
+  Payload small;
+  small.set_data("still fine");
+  ClientContext ctx2;
+  auto [code, resp] = Sync<Payload>([&](auto t) { return stub.async_Echo(ctx2, small, t); });
+  EXPECT_EQ(code, StatusCode::kOk);
+  EXPECT_EQ(resp.data(), "still fine");
+  EXPECT_EQ(env.OnIo([&] { return channel->stats().connects; }), 1u) << "the oversized call broke the connection";
+}
+
+// Raw transport connections speaking bad frames at the server.
+TEST_P(RpcSuite, GarbageFramesCloseOnlyThatConnectionAndBadRequestsGetInvalidArgument) {
+  Env env(GetParam());
+  auto uri_text = env.StartServer();
+  auto channel = env.NewChannel(uri_text);
+  TestSvc::Stub stub(channel);
+  ClientContext warm;
+  ASSERT_EQ(Sync<Payload>([&](auto t) { return stub.async_Echo(warm, Payload(), t); }).first, StatusCode::kOk);
+
+  auto uri = transport::ParseUri(uri_text);
+  ASSERT_TRUE(uri.ok());
+  auto opts = GetParam().options();
+  auto raw_connect = [&] {
+    std::promise<std::unique_ptr<transport::Connection>> p;
+    env.OnIo([&] {
+      ConnectTo(env.io().get_executor(), *uri, opts, [&](absl::StatusOr<std::unique_ptr<transport::Connection>> c) {
+        EXPECT_TRUE(c.ok()) << c.status();
+        p.set_value(c.ok() ? std::move(*c) : nullptr);
+      });
+      return 0;
+    });
+    auto f = p.get_future();
+    return Get(f);
+  };
+  auto send = [&](transport::Connection* c, std::string bytes) {
+    std::promise<absl::Status> p;
+    env.OnIo([&] {
+      c->async_send(std::as_bytes(std::span<const char>(bytes.data(), bytes.size())),
+                    [&](absl::Status s) { p.set_value(s); });
+      return 0;
+    });
+    auto f = p.get_future();
+    return Get(f);
+  };
+  auto receive = [&](transport::Connection* c) {
+    std::promise<absl::StatusOr<std::string>> p;
+    env.OnIo([&] {
+      c->async_receive([&](absl::StatusOr<transport::Message> m) {
+        if (!m.ok()) return p.set_value(m.status());
+        p.set_value(std::string(reinterpret_cast<const char*>(m->data().data()), m->size()));
+      });
+      return 0;
+    });
+    auto f = p.get_future();
+    return Get(f);
+  };
+  auto frame = [](rpc::FrameHeader h, const std::string& payload) {
+    h.payload_length = static_cast<uint32_t>(payload.size());
+    std::string out(rpc::kFrameHeaderSize + payload.size(), '\0');
+    rpc::EncodeFrameHead(h, {}, std::as_writable_bytes(std::span<char>(out.data(), out.size())));
+    std::copy(payload.begin(), payload.end(), out.begin() + rpc::kFrameHeaderSize);
+    return out;
+  };
+
+  // 1. A well-formed frame whose payload is not a Payload: INVALID_ARGUMENT.
+  auto good = raw_connect();
+  ASSERT_NE(good, nullptr);
+  rpc::FrameHeader h;
+  h.type = rpc::FrameType::kRequest;
+  h.method_id = TestSvc::kEchoId;
+  h.call_id = 7;
+  ASSERT_TRUE(send(good.get(), frame(h, std::string("\xff\xff\xff\xff\xff", 5))).ok());
+  auto answer = receive(good.get());
+  ASSERT_TRUE(answer.ok()) << answer.status();
+  rpc::DecodedFrame f;
+  ASSERT_TRUE(rpc::DecodeFrame(std::as_bytes(std::span<const char>(answer->data(), answer->size())), f).ok());
+  EXPECT_EQ(f.header.type, rpc::FrameType::kResponse);
+  EXPECT_EQ(f.header.call_id, 7u);
+  EXPECT_EQ(f.header.status, StatusCode::kInvalidArgument);
+
+  // 2. Garbage: the server closes that connection (our receive fails)...
+  auto bad = raw_connect();
+  ASSERT_NE(bad, nullptr);
+  ASSERT_TRUE(send(bad.get(), "GET / HTTP/1.1\r\nHost: rdmarpc\r\n\r\n").ok());
+  auto closed = receive(bad.get());
+  EXPECT_FALSE(closed.ok()) << "server answered garbage instead of closing";
+  // ... and everyone else is still served, before and after.
+  Payload req;
+  req.set_data("unaffected");
+  ClientContext ctx;
+  auto [code, resp] = Sync<Payload>([&](auto t) { return stub.async_Echo(ctx, req, t); });
+  EXPECT_EQ(code, StatusCode::kOk);
+  EXPECT_EQ(resp.data(), "unaffected");
+  // A length that lies about the message size is just as fatal.
+  rpc::FrameHeader lie = h;
+  lie.call_id = 8;
+  auto lying = frame(lie, "abc");
+  lying[12] = '\x40';  // payload length 64 + 3, message has 3
+  ASSERT_TRUE(send(good.get(), lying).ok());
+  EXPECT_FALSE(receive(good.get()).ok());
+  EXPECT_EQ(env.OnIo([&] { return env.server().stats().bad_frames; }), 2u);
+  ClientContext ctx3;
+  EXPECT_EQ(Sync<Payload>([&](auto t) { return stub.async_Echo(ctx3, req, t); }).first, StatusCode::kOk);
+  env.OnIo([&] {
+    good->Close();
+    bad->Close();
+    return 0;
+  });
+  env.OnIo([&] {
+    good.reset();
+    bad.reset();
+    return 0;
+  });
+}
+
+TEST_P(RpcSuite, GracefulShutdownDrainsCallsInFlightAndRefusesNewOnes) {
+  Env env(GetParam());
+  auto channel = env.NewChannel(env.StartServer());
+  TestSvc::Stub stub(channel);
+  constexpr int kCalls = 5;
+  std::vector<ClientContext> ctxs(kCalls);
+  SleepRequest req;
+  req.set_ms(500);
+  std::vector<Pending<Empty>> futs(kCalls);
+  for (int i = 0; i < kCalls; ++i) stub.async_Sleep(ctxs[i], req, futs[i].token());
+  for (int i = 0; i < 3000 && env.service.sleeps_started < kCalls; ++i) std::this_thread::sleep_for(milliseconds(5));
+  ASSERT_EQ(env.service.sleeps_started, kCalls);
+  std::promise<void> shut;
+  env.OnIo([&] {
+    env.server().async_shutdown(std::chrono::seconds(20), [&] { shut.set_value(); });
+    return 0;
+  });
+  for (auto& f : futs) EXPECT_EQ(ToStatusCode(std::get<0>(Get(f.future))), StatusCode::kOk);
+  auto sf = shut.get_future();
+  ASSERT_EQ(sf.wait_for(kRpcWait), std::future_status::ready) << "shutdown did not complete";
+  EXPECT_EQ(env.service.sleeps_finished, kCalls);
+  ClientContext late;
+  auto [code, resp] = Sync<Payload>([&](auto t) { return stub.async_Echo(late, Payload(), t); });
+  EXPECT_EQ(code, StatusCode::kUnavailable) << late.status().ToString();
+}
+
+TEST_P(RpcSuite, ShutdownGraceExpiryCancelsHandlersAndFailsTheirCalls) {
+  Env env(GetParam());
+  auto channel = env.NewChannel(env.StartServer());
+  TestSvc::Stub stub(channel);
+  SleepRequest req;
+  req.set_ms(60'000);
+  ClientContext ctx;
+  Pending<Empty> pending;
+  stub.async_Sleep(ctx, req, pending.token());
+  auto& fut = pending.future;
+  for (int i = 0; i < 3000 && env.service.sleeps_started == 0; ++i) std::this_thread::sleep_for(milliseconds(5));
+  std::promise<void> shut;
+  const auto start = Clock::now();
+  env.OnIo([&] {
+    env.server().async_shutdown(milliseconds(200), [&] { shut.set_value(); });
+    return 0;
+  });
+  EXPECT_EQ(ToStatusCode(std::get<0>(Get(fut))), StatusCode::kUnavailable) << ctx.status().ToString();
+  auto sf = shut.get_future();
+  ASSERT_EQ(sf.wait_for(kRpcWait), std::future_status::ready);
+  EXPECT_LT(Clock::now() - start, std::chrono::seconds(10));
+  EXPECT_EQ(env.service.sleeps_cancelled, 1);
+}
+
+TEST_P(RpcSuite, ServerGoneMidCallFailsTheCallUnavailableBeforeItsDeadline) {
+  Env env(GetParam());
+  auto channel = env.NewChannel(env.StartServer());
+  TestSvc::Stub stub(channel);
+  SleepRequest req;
+  req.set_ms(60'000);
+  ClientContext ctx;
+  ctx.set_timeout(std::chrono::seconds(50));
+  Pending<Empty> pending;
+  stub.async_Sleep(ctx, req, pending.token());
+  auto& fut = pending.future;
+  for (int i = 0; i < 3000 && env.service.sleeps_started == 0; ++i) std::this_thread::sleep_for(milliseconds(5));
+  const auto start = Clock::now();
+  env.StopServers();
+  EXPECT_EQ(ToStatusCode(std::get<0>(Get(fut))), StatusCode::kUnavailable) << ctx.status().ToString();
+  EXPECT_LT(Clock::now() - start, std::chrono::seconds(10));
+}
+
+TEST_P(RpcSuite, ChannelReconnectsAfterTheServerRestarts) {
+  Env env(GetParam());
+  auto uri = env.StartServer();
+  auto channel = env.NewChannel(uri, [](ChannelOptions& o) {
+    o.initial_backoff = milliseconds(20);
+    o.max_backoff = milliseconds(200);
+  });
+  TestSvc::Stub stub(channel);
+  ClientContext c1;
+  ASSERT_EQ(Sync<Payload>([&](auto t) { return stub.async_Echo(c1, Payload(), t); }).first, StatusCode::kOk);
+  env.StopServers();
+  // Down: calls fail fast with UNAVAILABLE.
+  std::this_thread::sleep_for(milliseconds(200));
+  ClientContext c2;
+  EXPECT_EQ(Sync<Payload>([&](auto t) { return stub.async_Echo(c2, Payload(), t); }).first, StatusCode::kUnavailable);
+  // Back on the same address: the channel reconnects by itself.
+  ASSERT_EQ(env.StartServer(uri), uri);
+  StatusCode last = StatusCode::kUnknown;
+  for (int i = 0; i < 200 && last != StatusCode::kOk; ++i) {
+    ClientContext c;
+    last = Sync<Payload>([&](auto t) { return stub.async_Echo(c, Payload(), t); }).first;
+    if (last != StatusCode::kOk) std::this_thread::sleep_for(milliseconds(50));
+  }
+  EXPECT_EQ(last, StatusCode::kOk);
+  EXPECT_EQ(env.OnIo([&] { return channel->stats().connects; }), 2u);
+}
+
+TEST_P(RpcSuite, WaitForReadyCallWaitsForTheServerToAppear) {
+  Env env(GetParam());
+  auto uri = env.StartServer();
+  env.StopServers();  // now we know a free address
+  auto channel = env.NewChannel(uri, [](ChannelOptions& o) {
+    o.initial_backoff = milliseconds(20);
+    o.max_backoff = milliseconds(100);
+  });
+  TestSvc::Stub stub(channel);
+  ClientContext ctx;
+  ctx.set_wait_for_ready(true);
+  ctx.set_timeout(std::chrono::seconds(30));
+  Payload req;
+  req.set_data("patient");
+  Pending<Payload> pending;
+  stub.async_Echo(ctx, req, pending.token());
+  auto& fut = pending.future;
+  std::this_thread::sleep_for(milliseconds(300));
+  EXPECT_EQ(fut.wait_for(std::chrono::seconds(0)), std::future_status::timeout) << ctx.status().ToString();
+  ASSERT_EQ(env.StartServer(uri), uri);
+  auto [ec, resp] = Get(fut);
+  EXPECT_FALSE(ec) << ctx.status().ToString();
+  EXPECT_EQ(resp.data(), "patient");
+  ClientContext impatient;  // default: fail fast, but the channel is up now
+  EXPECT_EQ(Sync<Payload>([&](auto t) { return stub.async_Echo(impatient, Payload(), t); }).first, StatusCode::kOk);
+}
+
+TEST_P(RpcSuite, ChannelCloseCancelsPendingCalls) {
+  Env env(GetParam());
+  auto channel = env.NewChannel(env.StartServer());
+  TestSvc::Stub stub(channel);
+  SleepRequest req;
+  req.set_ms(60'000);
+  ClientContext ctx;
+  Pending<Empty> pending;
+  stub.async_Sleep(ctx, req, pending.token());
+  auto& fut = pending.future;
+  for (int i = 0; i < 3000 && env.service.sleeps_started == 0; ++i) std::this_thread::sleep_for(milliseconds(5));
+  channel->Close();
+  EXPECT_EQ(ToStatusCode(std::get<0>(Get(fut))), StatusCode::kCancelled);
+  ClientContext after;
+  EXPECT_EQ(Sync<Payload>([&](auto t) { return stub.async_Echo(after, Payload(), t); }).first, StatusCode::kCancelled);
+}
+
+TEST_P(RpcSuite, EveryCompletionTokenFormWorks) {
+  Env env(GetParam());
+  auto channel = env.NewChannel(env.StartServer());
+  TestSvc::Stub stub(channel);
+  Payload req;
+  req.set_data("token");
+
+  // use_future (throws on error, value on success)
+  {
+    ClientContext ctx;
+    auto f = stub.async_Echo(ctx, req, asio::use_future);
+    EXPECT_EQ(Get(f).data(), "token");
+  }
+  // callback: runs on the channel's executor, after the initiating call returned
+  {
+    ClientContext ctx;
+    std::promise<bool> p;
+    bool returned = false;
+    env.OnIo([&] {
+      stub.async_Echo(ctx, req, [&](boost::system::error_code ec, Payload resp) {
+        p.set_value(!ec && resp.data() == "token" && returned && env.OnIoThread());
+      });
+      returned = true;
+      return 0;
+    });
+    auto f = p.get_future();
+    EXPECT_TRUE(Get(f));
+  }
+  // deferred: nothing happens until it is launched
+  {
+    ClientContext ctx;
+    const uint64_t before = env.OnIo([&] { return channel->stats().calls_started; });
+    auto op = stub.async_Echo(ctx, req, asio::deferred);
+    std::this_thread::sleep_for(milliseconds(50));
+    EXPECT_EQ(env.OnIo([&] { return channel->stats().calls_started; }), before);
+    std::promise<std::string> p;
+    std::move(op)([&](boost::system::error_code, Payload resp) { p.set_value(resp.data()); });
+    auto f = p.get_future();
+    EXPECT_EQ(Get(f), "token");
+  }
+  // use_awaitable, as_tuple(use_awaitable), the into-a-response overload, and
+  // use_awaitable's exception on error (rdmarpc category, full status on the context)
+  {
+    auto f = asio::co_spawn(
+        env.io(),
+        [&]() -> asio::awaitable<std::string> {
+          ClientContext c1;
+          Payload r1 = co_await stub.async_Echo(c1, req, asio::use_awaitable);
+          ClientContext c2;
+          auto [ec, r2] = co_await stub.async_Echo(c2, req, asio::as_tuple(asio::use_awaitable));
+          ClientContext c3;
+          Payload r3;
+          co_await stub.async_Echo(c3, req, r3, asio::use_awaitable);
+          ClientContext c4;
+          FailRequest fail;
+          fail.set_code(static_cast<uint32_t>(StatusCode::kPermissionDenied));
+          fail.set_message("go away");
+          std::string caught;
+          try {
+            co_await stub.async_Fail(c4, fail, asio::use_awaitable);
+          } catch (const boost::system::system_error& e) {
+            if (e.code().category() == rpc_category() && e.code() == StatusCode::kPermissionDenied &&
+                c4.status().message() == "go away")
+              caught = "caught";
+            std::error_code std_ec = e.code();  // converts to std::error_code
+            if (std_ec.value() != static_cast<int>(StatusCode::kPermissionDenied)) caught = "bad std::error_code";
+          }
+          co_return r1.data() + "," + (ec ? "err" : r2.data()) + "," + r3.data() + "," + caught;
+        },
+        asio::use_future);
+    EXPECT_EQ(Get(f), "token,token,token,caught");
+  }
+}
+
+}  // namespace
+
+std::string RpcTransportName(const ::testing::TestParamInfo<RpcTransport>& info) { return info.param.name; }
+void PrintTo(const RpcTransport& t, std::ostream* os) { *os << t.name; }
+
+}  // namespace rdmarpc::testing
