@@ -69,14 +69,24 @@ class Channel::Impl : public std::enable_shared_from_this<Impl> {
   void Close();
 
  private:
+  struct Call;
+  enum class CallState;
+  struct Ref {
+    Call* call;
+    uint64_t generation;
+    bool live() const;
+  };
   struct Conn {
     std::unique_ptr<Connection> c;
     std::string peer;
     bool dead = false;
     bool goaway = false;
     size_t calls = 0;
+    // Calls waiting for send space (the transport's Prepare() said
+    // RESOURCE_EXHAUSTED: all send slots busy); retried as sends complete.
+    std::deque<Ref> blocked;
   };
-  enum class CallState { kFree, kQueued, kSent, kCancelling };
+  enum class CallState { kFree, kQueued, kBlocked, kSent };
   struct Call {
     explicit Call(const asio::any_io_executor& ex) : timer(ex) {}
     uint64_t id = 0;
@@ -90,11 +100,6 @@ class Channel::Impl : public std::enable_shared_from_this<Impl> {
     asio::steady_timer timer;
     asio::cancellation_slot slot;
     std::shared_ptr<Conn> conn;
-  };
-  struct Ref {
-    Call* call;
-    uint64_t generation;
-    bool live() const { return call->generation == generation && call->state != CallState::kFree; }
   };
 
   // Runs in the handler's cancellation slot (on the emitter's thread, which
@@ -119,6 +124,7 @@ class Channel::Impl : public std::enable_shared_from_this<Impl> {
   void FailLater(Call* call, Status status);
   void Finish(Call* call, Status status, ResponsePayload payload, bool tell_server);
   void Send(Call* call);
+  void PumpBlocked(const std::shared_ptr<Conn>& conn);
   void SendControl(const std::shared_ptr<Conn>& conn, rpc::FrameType type, uint64_t call_id);
   void StartConnect();
   void OnConnected(absl::StatusOr<std::unique_ptr<Connection>> result);
@@ -149,6 +155,8 @@ class Channel::Impl : public std::enable_shared_from_this<Impl> {
   std::vector<asio::any_completion_handler<void(boost::system::error_code)>> waiters_;
   ChannelStats stats_;
 };
+
+bool Channel::Impl::Ref::live() const { return call->generation == generation && call->state != CallState::kFree; }
 
 Channel::Impl::Call* Channel::Impl::Acquire() {
   if (free_calls_.empty()) {
@@ -268,7 +276,20 @@ void Channel::Impl::Send(Call* call) {
                                                                "-byte message limit of the connection to ",
                                                                target_)));
   auto buffer = conn->c->Prepare(total);
-  if (!buffer.ok()) return FailLater(call, Status::FromAbsl(buffer.status()));
+  if (!buffer.ok()) {
+    if (buffer.status().code() == absl::StatusCode::kResourceExhausted) {
+      // Every send slot is busy: wait for a send to complete.
+      if (call->request != nullptr) {
+        call->request->SerializeToString(&call->request_bytes);
+        call->request = nullptr;
+      }
+      call->state = CallState::kBlocked;
+      call->conn = conn;
+      conn->blocked.push_back({call, call->generation});
+      return;
+    }
+    return FailLater(call, Status::FromAbsl(buffer.status()));
+  }
   rpc::FrameHeader h;
   h.type = rpc::FrameType::kRequest;
   h.metadata_length = static_cast<uint16_t>(md_size);
@@ -293,8 +314,25 @@ void Channel::Impl::Send(Call* call) {
   ++conn->calls;
   sent_.emplace(call->id, call);
   conn->c->Send(std::move(*buffer), [self = shared_from_this(), c = conn](absl::Status st) {
-    if (!st.ok()) self->ConnFailed(c, Status::FromAbsl(st));
+    if (!st.ok()) return self->ConnFailed(c, Status::FromAbsl(st));
+    if (!c->blocked.empty()) self->PumpBlocked(c);
   });
+}
+
+void Channel::Impl::PumpBlocked(const std::shared_ptr<Conn>& conn) {
+  while (!conn->blocked.empty() && !conn->dead && conn_ == conn) {
+    Ref r = conn->blocked.front();
+    conn->blocked.pop_front();
+    if (!r.live() || r.call->state != CallState::kBlocked) continue;
+    r.call->state = CallState::kQueued;
+    Send(r.call);
+    if (r.live() && r.call->state == CallState::kBlocked) {
+      // Still no room: Send() queued it at the back; put it back in front.
+      conn->blocked.pop_back();
+      conn->blocked.push_front(r);
+      return;
+    }
+  }
 }
 
 void Channel::Impl::SendControl(const std::shared_ptr<Conn>& conn, rpc::FrameType type, uint64_t call_id) {
@@ -432,6 +470,14 @@ void Channel::Impl::OnReceive(const std::shared_ptr<Conn>& conn, absl::StatusOr<
         conn_.reset();
         state_ = State::kIdle;
       }
+      // Calls that never left (waiting for send space) go to the next connection.
+      for (Ref r : std::exchange(conn->blocked, {})) {
+        if (!r.live() || r.call->state != CallState::kBlocked) continue;
+        r.call->state = CallState::kQueued;
+        r.call->conn.reset();
+        queued_.push_back(r);
+      }
+      if (!queued_.empty() && state_ == State::kIdle && !closed_) StartConnect();
       if (conn->calls == 0) {
         conn->dead = true;
         conn->c->Close();
@@ -477,6 +523,9 @@ void Channel::Impl::FailCallsOn(const std::shared_ptr<Conn>* conn, const Status&
   std::vector<Ref> victims;
   for (auto& [id, call] : sent_)
     if (conn == nullptr || call->conn == *conn) victims.push_back({call, call->generation});
+  for (auto& call : all_calls_)
+    if (call->state == CallState::kBlocked && (conn == nullptr || call->conn == *conn))
+      victims.push_back({call.get(), call->generation});
   if (include_queued)
     for (Ref r : std::exchange(queued_, {}))
       if (r.live()) victims.push_back(r);

@@ -9,6 +9,8 @@
 #include <boost/asio/steady_timer.hpp>
 #include <boost/system/system_error.hpp>
 
+#include <deque>
+
 #include "absl/container/flat_hash_map.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
@@ -42,6 +44,14 @@ class Server::Impl : public std::enable_shared_from_this<Impl> {
     std::string peer;
     bool dead = false;
     absl::flat_hash_map<uint64_t, Call*> calls;
+    // Responses waiting for send space (Prepare() said RESOURCE_EXHAUSTED);
+    // sent in order as earlier sends complete. `call` keeps the response alive.
+    struct Pending {
+      uint64_t call_id;
+      Status status;
+      std::unique_ptr<Call> call;
+    };
+    std::deque<Pending> pending;
   };
   struct Call {
     explicit Call(const asio::any_io_executor& ex) : deadline_timer(ex) {}
@@ -67,7 +77,12 @@ class Server::Impl : public std::enable_shared_from_this<Impl> {
   void OnRequest(const std::shared_ptr<Conn>& conn, Message message, const rpc::DecodedFrame& f);
   void OnHandlerDone(Call* call, std::exception_ptr error, Status status);
   void CancelCall(Call* call, StatusCode reason, const Status* answer);
-  void Respond(const std::shared_ptr<Conn>& conn, uint64_t call_id, Status status, const MessageLite* response);
+  // Queues the response behind earlier ones that wait for send space; `call`
+  // (may be null) owns `response` and is freed once the response is sent.
+  void Respond(const std::shared_ptr<Conn>& conn, uint64_t call_id, Status status, std::unique_ptr<Call> call);
+  // false: no send space now (nothing sent).
+  bool TrySend(const std::shared_ptr<Conn>& conn, uint64_t call_id, Status& status, const MessageLite* response);
+  void PumpPending(const std::shared_ptr<Conn>& conn);
   void SendControl(const std::shared_ptr<Conn>& conn, rpc::FrameType type, bool close_after);
   void CloseConn(const std::shared_ptr<Conn>& conn, const Status& why);
   void MaybeCloseDrained(const std::shared_ptr<Conn>& conn);
@@ -279,6 +294,11 @@ void Server::Impl::CancelCall(Call* call, StatusCode reason, const Status* answe
 void Server::Impl::OnHandlerDone(Call* raw, std::exception_ptr error, Status status) {
   std::unique_ptr<Call> call(raw);
   call->deadline_timer.cancel();
+  auto conn = call->conn;
+  const uint64_t id = call->id;
+  conn->calls.erase(id);
+  --stats_.calls_in_flight;
+  ++stats_.calls_finished;
   if (!call->answered) {
     if (error) {
       try {
@@ -294,19 +314,32 @@ void Server::Impl::OnHandlerDone(Call* raw, std::exception_ptr error, Status sta
       }
     }
     call->answered = true;
-    Respond(call->conn, call->id, std::move(status), call->response.get());
+    Respond(conn, id, std::move(status), std::move(call));  // frees the call once sent
   }
-  call->conn->calls.erase(call->id);
-  --stats_.calls_in_flight;
-  ++stats_.calls_finished;
-  MaybeCloseDrained(call->conn);
   call.reset();
+  MaybeCloseDrained(conn);
   MaybeFinishShutdown();
 }
 
 void Server::Impl::Respond(const std::shared_ptr<Conn>& conn, uint64_t call_id, Status status,
-                           const MessageLite* response) {
+                           std::unique_ptr<Call> call) {
   if (conn->dead) return;
+  if (conn->pending.empty() && TrySend(conn, call_id, status, call ? call->response.get() : nullptr)) return;
+  conn->pending.push_back({call_id, std::move(status), std::move(call)});
+}
+
+void Server::Impl::PumpPending(const std::shared_ptr<Conn>& conn) {
+  while (!conn->pending.empty() && !conn->dead) {
+    auto& p = conn->pending.front();
+    if (!TrySend(conn, p.call_id, p.status, p.call ? p.call->response.get() : nullptr)) return;
+    conn->pending.pop_front();
+  }
+  MaybeCloseDrained(conn);
+}
+
+bool Server::Impl::TrySend(const std::shared_ptr<Conn>& conn, uint64_t call_id, Status& status,
+                           const MessageLite* response) {
+  if (conn->dead) return true;
   size_t body = status.ok() ? response->ByteSizeLong() : status.message().size();
   if (status.ok() && rpc::kFrameHeaderSize + body > conn->c->max_message_size()) {
     status = ResourceExhaustedError(absl::StrCat("response of ", body, " bytes exceeds the connection's ",
@@ -319,8 +352,9 @@ void Server::Impl::Respond(const std::shared_ptr<Conn>& conn, uint64_t call_id, 
   }
   auto buffer = conn->c->Prepare(rpc::kFrameHeaderSize + body);
   if (!buffer.ok()) {
+    if (buffer.status().code() == absl::StatusCode::kResourceExhausted) return false;
     RDMARPC_LOG(kWarn, "server", "event=respond_failed peer=", conn->peer, " error=\"", buffer.status().ToString(), "\"");
-    return;
+    return true;
   }
   rpc::FrameHeader h;
   h.type = rpc::FrameType::kResponse;
@@ -334,8 +368,10 @@ void Server::Impl::Respond(const std::shared_ptr<Conn>& conn, uint64_t call_id, 
   else if (body > 0)
     std::memcpy(out.data() + rpc::kFrameHeaderSize, status.message().data(), body);
   conn->c->Send(std::move(*buffer), [self = shared_from_this(), conn](absl::Status st) {
-    if (!st.ok()) self->CloseConn(conn, Status::FromAbsl(st));
+    if (!st.ok()) return self->CloseConn(conn, Status::FromAbsl(st));
+    if (!conn->pending.empty()) self->PumpPending(conn);
   });
+  return true;
 }
 
 void Server::Impl::SendControl(const std::shared_ptr<Conn>& conn, rpc::FrameType type, bool close_after) {
@@ -354,6 +390,7 @@ void Server::Impl::CloseConn(const std::shared_ptr<Conn>& conn, const Status& wh
   if (conn->dead) return;
   conn->dead = true;
   conn->c->Close();
+  conn->pending.clear();  // unsent responses (and the calls they keep alive)
   --stats_.connections_open;
   std::erase(conns_, conn);
   RDMARPC_LOG(kInfo, "server", "event=disconnected peer=", conn->peer, " reason=\"", why.ToString(),
@@ -368,7 +405,7 @@ void Server::Impl::CloseConn(const std::shared_ptr<Conn>& conn, const Status& wh
 }
 
 void Server::Impl::MaybeCloseDrained(const std::shared_ptr<Conn>& conn) {
-  if ((shutting_down_ || stopped_) && conn->calls.empty() && !conn->dead) {
+  if ((shutting_down_ || stopped_) && conn->calls.empty() && conn->pending.empty() && !conn->dead) {
     // The last response is queued before the close; a transport completes
     // queued sends before it tears the connection down only if it gets the
     // chance, so close from the executor after this turn.
