@@ -375,7 +375,7 @@ void Channel::Impl::OnConnected(absl::StatusOr<std::unique_ptr<Connection>> resu
   }
   if (!result.ok()) {
     ++stats_.connect_failures;
-    last_error_ = UnavailableError(absl::StrCat("cannot connect to ", target_, ": ", result.status().ToString()));
+    last_error_ = UnavailableError(absl::StrCat("cannot connect to ", target_, ": ", result.status().message()));
     RDMARPC_LOG(kWarn, "channel", "event=connect_failed target=", target_, " error=\"", result.status().ToString(),
                 "\" backoff_ms=", backoff_.count());
     EnterBackoff();

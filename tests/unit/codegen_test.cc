@@ -52,3 +52,99 @@ TEST(Codegen, KeywordNamesGetATrailingUnderscore) {
 }
 
 }  // namespace
+
+// ---- Generated Service / Stub / mocks (golden compile checks) ---------------
+
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+
+#include "bare.rdmarpc.pb.h"
+#include "other/deep/pkg/deep.rdmarpc.pb.h"
+#include "rdmarpc/test/echo_mock.rdmarpc.pb.h"
+
+namespace {
+
+namespace asio = boost::asio;
+using rdmarpc::ServerContext;
+using rdmarpc::Status;
+using rdmarpc::test::Payload;
+
+TEST(Codegen, ServiceBaseHasOneCoroutinePerMethodWithTheRightShape) {
+  using S = Echo::Service;
+  static_assert(std::is_same_v<decltype(&S::Unary),
+                               asio::awaitable<Status> (S::*)(ServerContext&, const Payload&, Payload&)>);
+  static_assert(std::is_same_v<decltype(&S::ServerStream),
+                               asio::awaitable<Status> (S::*)(ServerContext&, const Payload&,
+                                                              rdmarpc::ServerWriter<Payload>&)>);
+  static_assert(std::is_same_v<decltype(&S::ClientStream),
+                               asio::awaitable<Status> (S::*)(ServerContext&, rdmarpc::ServerReader<Payload>&,
+                                                              Payload&)>);
+  static_assert(std::is_same_v<decltype(&S::Bidi),
+                               asio::awaitable<Status> (S::*)(ServerContext&,
+                                                              rdmarpc::ServerReaderWriter<Payload, Payload>&)>);
+  static_assert(std::is_base_of_v<rdmarpc::Service, S>);
+  struct Impl final : S {};
+  Impl impl;
+  EXPECT_EQ(impl.service_name(), "rdmarpc.test.Echo");
+  ASSERT_EQ(impl.methods().size(), 5u);
+  EXPECT_NE(impl.methods()[0].invoke, nullptr);   // unary: dispatchable
+  EXPECT_EQ(impl.methods()[2].invoke, nullptr);   // streaming: no runtime yet
+  EXPECT_EQ(&impl.methods()[1].request_prototype(), &rdmarpc::test::Payload_Meta::default_instance());
+}
+
+struct OuterHandler {
+  void operator()(boost::system::error_code, other::deep::pkg::Outer) const {}
+};
+
+TEST(Codegen, NoPackageDeepPackagesSeveralServicesAndKeywordMethods) {
+  EXPECT_EQ(::Bare::kServiceName, "Bare");  // global namespace
+  static_assert(std::is_same_v<::Bare::PingRequest, ::BareMessage>);
+  EXPECT_EQ(other::deep::pkg::First::kServiceName, "other.deep.pkg.First");
+  EXPECT_EQ(other::deep::pkg::Second::kServiceName, "other.deep.pkg.Second");
+  static_assert(std::is_same_v<other::deep::pkg::First::GetRequest, other::deep::pkg::Outer_Inner_Innermost>);
+  static_assert(std::is_same_v<other::deep::pkg::First::GetResponse, rdmarpc::test::Payload>);
+  // `new` is a C++ keyword: the handler is new_, the stub method async_new.
+  using Second = other::deep::pkg::Second;
+  static_assert(std::is_member_function_pointer_v<decltype(&Second::Service::new_)>);
+  static_assert(requires(Second::Stub s, rdmarpc::ClientContext& c, const other::deep::pkg::Outer& o) {
+    s.async_new(c, o, OuterHandler{});
+  });
+  // Same method name in two services of one file: different ids.
+  EXPECT_NE(other::deep::pkg::First::kGetId, other::deep::pkg::Second::kGetId);
+}
+
+TEST(Codegen, MocksAreGeneratedOnRequest) {
+  static_assert(std::is_base_of_v<rdmarpc::ChannelInterface, rdmarpc::test::MockEchoStub>);
+  static_assert(std::is_base_of_v<rdmarpc::ChannelInterface, rdmarpc::test::MockclassStub>);
+}
+
+// The plugin refuses what it cannot generate, with a message naming the cause.
+std::string RunPlugin(const std::string& proto_text, int* exit_code) {
+  namespace fs = std::filesystem;
+  fs::path dir = fs::temp_directory_path() / ("rdmarpc_codegen_" + std::to_string(::getpid()));
+  fs::create_directories(dir);
+  std::ofstream(dir / "bad.proto") << proto_text;
+  std::string cmd = std::string(RDMARPC_PROTOC) + " -I" + dir.string() + " --plugin=protoc-gen-rdmarpc=" +
+                    RDMARPC_PLUGIN + " --rdmarpc_out=" + dir.string() + " " + (dir / "bad.proto").string() +
+                    " > " + (dir / "err.txt").string() + " 2>&1";
+  int rc = std::system(cmd.c_str());
+  *exit_code = WIFEXITED(rc) ? WEXITSTATUS(rc) : -1;
+  std::ifstream in(dir / "err.txt");
+  std::string err((std::istreambuf_iterator<char>(in)), {});
+  fs::remove_all(dir);
+  return err;
+}
+
+TEST(Codegen, PluginRejectsMethodsThatWouldCollideWithGeneratedMembers) {
+  int rc = 0;
+  std::string err = RunPlugin(
+      "syntax = \"proto3\"; message M {} service S { rpc Stub(M) returns (M); }", &rc);
+  EXPECT_NE(rc, 0);
+  EXPECT_NE(err.find("may not be named Stub"), std::string::npos) << err;
+  err = RunPlugin("syntax = \"proto3\"; message M {} service S { rpc A(M) returns (M); }", &rc);
+  EXPECT_EQ(rc, 0) << err;
+}
+
+}  // namespace
