@@ -1,0 +1,158 @@
+// The gRPC row: the same echo (same messages, grpc_echo.proto) over Debian's
+// libgrpc++, with the async completion-queue API so that, as for rdmarpc, one
+// client thread and one server thread drive the calls (gRPC adds its own
+// internal threads; their CPU shows in the process figures only).
+//
+// Tuning: one channel (one HTTP/2 connection, TCP_NODELAY is gRPC's default),
+// no message-size limits, server request slots pre-posted for the largest
+// concurrency so an arriving call never waits for a slot.
+#include <algorithm>
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <grpcpp/grpcpp.h>
+
+#include "absl/strings/str_cat.h"
+#include "bench_common.h"
+#include "rdmarpc/bench/grpc_echo.grpc.pb.h"
+
+namespace rdmarpc::bench {
+namespace {
+
+using EchoGrpc = rdmarpc::bench::grpcsvc::Echo;
+
+// One server call: waiting for a request, then finishing.
+struct ServerCall {
+  explicit ServerCall(EchoGrpc::AsyncService& service, grpc::ServerCompletionQueue& cq) : responder(&ctx) {
+    service.RequestEcho(&ctx, &request, &responder, &cq, &cq, this);
+  }
+  grpc::ServerContext ctx;
+  EchoRequest request;
+  EchoResponse response;
+  grpc::ServerAsyncResponseWriter<EchoResponse> responder;
+  bool finishing = false;
+};
+
+// The server's thread: answers every call until the queue shuts down.
+void ServeLoop(EchoGrpc::AsyncService& service, grpc::ServerCompletionQueue& cq) {
+  void* tag = nullptr;
+  bool ok = false;
+  while (cq.Next(&tag, &ok)) {
+    auto* call = static_cast<ServerCall*>(tag);
+    if (call->finishing || !ok) {  // Answered, or cancelled by shutdown.
+      delete call;
+      continue;
+    }
+    new ServerCall(service, cq);  // Keep a slot posted for the next call.
+    call->response.set_payload(call->request.payload());
+    call->finishing = true;
+    call->responder.Finish(call->response, grpc::Status::OK, call);
+  }
+}
+
+std::chrono::system_clock::time_point ToSystem(Clock::time_point t) {
+  return std::chrono::system_clock::now() +
+         std::chrono::duration_cast<std::chrono::system_clock::duration>(t - Clock::now());
+}
+
+}  // namespace
+
+absl::Status RunGrpc(const Flags& f, const std::function<void(const Row&)>& emit) {
+  EchoGrpc::AsyncService service;
+  grpc::ServerBuilder builder;
+  int port = 0;
+  builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
+  builder.RegisterService(&service);
+  builder.SetMaxReceiveMessageSize(-1);
+  builder.SetMaxSendMessageSize(-1);
+  std::unique_ptr<grpc::ServerCompletionQueue> server_cq = builder.AddCompletionQueue();
+  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
+  if (!server || port == 0) return absl::UnavailableError("gRPC server did not start on 127.0.0.1");
+  const int max_conc = *std::max_element(f.concurrency.begin(), f.concurrency.end());
+  for (int i = 0; i < max_conc + 4; ++i) new ServerCall(service, *server_cq);
+  std::thread server_thread([&] { ServeLoop(service, *server_cq); });
+  const CpuClock server_cpu = CpuClock::Thread(server_thread.native_handle());
+  auto stop_server = [&] {
+    server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(1));
+    server_cq->Shutdown();
+    server_thread.join();
+  };
+
+  grpc::ChannelArguments args;
+  args.SetMaxReceiveMessageSize(-1);
+  args.SetMaxSendMessageSize(-1);
+  auto channel = grpc::CreateCustomChannel(absl::StrCat("127.0.0.1:", port), grpc::InsecureChannelCredentials(), args);
+  if (!channel->WaitForConnected(std::chrono::system_clock::now() + std::chrono::seconds(10))) {
+    stop_server();
+    return absl::UnavailableError(absl::StrCat("gRPC channel to 127.0.0.1:", port, " did not connect in 10 s"));
+  }
+  auto stub = EchoGrpc::NewStub(channel);
+  grpc::CompletionQueue cq;
+
+  for (size_t size : f.sizes) {
+    for (int conc : f.concurrency) {
+      struct Slot {
+        std::optional<grpc::ClientContext> ctx;  // gRPC contexts are single-use
+        EchoRequest req;
+        EchoResponse resp;
+        grpc::Status status;
+        std::unique_ptr<grpc::ClientAsyncResponseReader<EchoResponse>> rpc;
+      };
+      std::vector<std::unique_ptr<Slot>> slots;
+      for (int i = 0; i < conc; ++i) {
+        slots.push_back(std::make_unique<Slot>());
+        slots.back()->req.set_payload(std::string(size, 'x'));
+      }
+      LoadGen lg(f, size, conc, [&](int i) {
+        Slot& s = *slots[static_cast<size_t>(i)];
+        s.rpc.reset();
+        s.ctx.emplace();
+        s.rpc = stub->AsyncEcho(&*s.ctx, s.req, &cq);
+        s.rpc->Finish(&s.resp, &s.status, reinterpret_cast<void*>(static_cast<intptr_t>(i)));
+      });
+      lg.label = absl::StrCat("grpc ", size, "B c=", conc, f.mode == Mode::kOpen ? " open" : "");
+      lg.client_cpu = CpuClock::Thread(pthread_self());
+      lg.server_cpu = server_cpu;
+      lg.Start();
+      std::string last_error;
+      while (!lg.done()) {
+        void* tag = nullptr;
+        bool ok = false;
+        switch (cq.AsyncNext(&tag, &ok, ToSystem(lg.NextWake()))) {
+          case grpc::CompletionQueue::GOT_EVENT: {
+            const int i = static_cast<int>(reinterpret_cast<intptr_t>(tag));
+            Slot& s = *slots[static_cast<size_t>(i)];
+            const bool good = ok && s.status.ok() && s.resp.payload().size() == size;
+            if (!good && last_error.empty()) last_error = s.status.error_message();
+            lg.Completed(i, good);
+            break;
+          }
+          case grpc::CompletionQueue::TIMEOUT:
+            lg.Tick();
+            break;
+          case grpc::CompletionQueue::SHUTDOWN:
+            return absl::InternalError("gRPC completion queue shut down mid-run");
+        }
+      }
+      Row row = lg.Result("grpc", "-");
+      if (row.errors > 0) row.note = last_error;
+      emit(row);
+    }
+  }
+  stub.reset();
+  channel.reset();
+  cq.Shutdown();
+  void* tag = nullptr;
+  bool ok = false;
+  while (cq.Next(&tag, &ok)) {
+  }
+  stop_server();
+  return absl::OkStatus();
+}
+
+}  // namespace rdmarpc::bench
