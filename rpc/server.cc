@@ -39,6 +39,21 @@ class Server::Impl : public std::enable_shared_from_this<Impl> {
 
  private:
   struct Call;
+  // Finished calls go back to a per-method free list with their request and
+  // response messages, so a steady stream of calls reuses objects (and the
+  // messages' string capacity) instead of allocating them. Shared with the
+  // deleters, which may run after the server is gone.
+  struct CallPool {
+    absl::flat_hash_map<const Service::Method*, std::vector<std::unique_ptr<Call>>> free;
+    static constexpr size_t kKeepPerMethod = 256;
+  };
+  struct Recycle {
+    std::shared_ptr<CallPool> pool;
+    void operator()(Call* call) const;
+  };
+  using CallPtr = std::unique_ptr<Call, Recycle>;
+  CallPtr NewCall(const Service::Method* method);
+
   struct Conn {
     std::unique_ptr<Connection> c;
     std::string peer;
@@ -49,7 +64,7 @@ class Server::Impl : public std::enable_shared_from_this<Impl> {
     struct Pending {
       uint64_t call_id;
       Status status;
-      std::unique_ptr<Call> call;
+      CallPtr call;
     };
     std::deque<Pending> pending;
   };
@@ -79,7 +94,7 @@ class Server::Impl : public std::enable_shared_from_this<Impl> {
   void CancelCall(Call* call, StatusCode reason, const Status* answer);
   // Queues the response behind earlier ones that wait for send space; `call`
   // (may be null) owns `response` and is freed once the response is sent.
-  void Respond(const std::shared_ptr<Conn>& conn, uint64_t call_id, Status status, std::unique_ptr<Call> call);
+  void Respond(const std::shared_ptr<Conn>& conn, uint64_t call_id, Status status, CallPtr call);
   // false: no send space now (nothing sent).
   bool TrySend(const std::shared_ptr<Conn>& conn, uint64_t call_id, Status& status, const MessageLite* response);
   void PumpPending(const std::shared_ptr<Conn>& conn);
@@ -96,6 +111,7 @@ class Server::Impl : public std::enable_shared_from_this<Impl> {
   std::vector<std::unique_ptr<transport::Listener>> listeners_;
   std::vector<std::string> uris_;
   std::vector<std::shared_ptr<Conn>> conns_;
+  std::shared_ptr<CallPool> pool_ = std::make_shared<CallPool>();
   bool started_ = false;
   bool shutting_down_ = false;
   bool stopped_ = false;
@@ -103,6 +119,33 @@ class Server::Impl : public std::enable_shared_from_this<Impl> {
   std::vector<asio::any_completion_handler<void()>> shutdown_waiters_;
   ServerStats stats_;
 };
+
+void Server::Impl::Recycle::operator()(Call* call) const {
+  call->conn.reset();
+  call->answered = false;
+  call->ctx.Reset(nullptr);
+  auto& list = pool->free[call->method];
+  if (list.size() >= CallPool::kKeepPerMethod) {
+    delete call;
+    return;
+  }
+  call->response->Clear();  // keeps string capacity: the next response reuses it
+  list.emplace_back(call);
+}
+
+Server::Impl::CallPtr Server::Impl::NewCall(const Service::Method* method) {
+  auto& list = pool_->free[method];
+  if (!list.empty()) {
+    CallPtr call(list.back().release(), Recycle{pool_});
+    list.pop_back();
+    return call;
+  }
+  CallPtr call(new Call(ex_), Recycle{pool_});
+  call->method = method;
+  call->request.reset(method->request_prototype().New());
+  call->response.reset(method->response_prototype().New());
+  return call;
+}
 
 Status Server::Impl::AddService(Service& service) {
   if (started_) return Status(StatusCode::kFailedPrecondition, "AddService() after Start()");
@@ -244,13 +287,10 @@ void Server::Impl::OnRequest(const std::shared_ptr<Conn>& conn, Message message,
                    UnimplementedError(absl::StrCat(internal::Sv(entry.method->info.full_name),
                                                    " is a streaming method; this server has no stream runtime")),
                    nullptr);
-  auto call = std::make_unique<Call>(ex_);
+  CallPtr call = NewCall(entry.method);
   call->conn = conn;
   call->id = id;
   call->service = entry.service;
-  call->method = entry.method;
-  call->request.reset(entry.method->request_prototype().New());
-  call->response.reset(entry.method->response_prototype().New());
   if (!call->request->ParseFromArray(f.payload.data(), static_cast<int>(f.payload.size())))
     return Respond(conn, id,
                    InvalidArgumentError(absl::StrCat("request for ", internal::Sv(entry.method->info.full_name),
@@ -292,8 +332,9 @@ void Server::Impl::CancelCall(Call* call, StatusCode reason, const Status* answe
 }
 
 void Server::Impl::OnHandlerDone(Call* raw, std::exception_ptr error, Status status) {
-  std::unique_ptr<Call> call(raw);
+  CallPtr call(raw, Recycle{pool_});
   call->deadline_timer.cancel();
+  call->cancel.slot().clear();
   auto conn = call->conn;
   const uint64_t id = call->id;
   conn->calls.erase(id);
@@ -322,7 +363,7 @@ void Server::Impl::OnHandlerDone(Call* raw, std::exception_ptr error, Status sta
 }
 
 void Server::Impl::Respond(const std::shared_ptr<Conn>& conn, uint64_t call_id, Status status,
-                           std::unique_ptr<Call> call) {
+                           CallPtr call) {
   if (conn->dead) return;
   if (conn->pending.empty() && TrySend(conn, call_id, status, call ? call->response.get() : nullptr)) return;
   conn->pending.push_back({call_id, std::move(status), std::move(call)});

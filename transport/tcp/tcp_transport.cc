@@ -40,6 +40,9 @@ using ConnectResult = absl::StatusOr<std::unique_ptr<Connection>>;
 
 // Frame header: the payload length, 32-bit little-endian.
 constexpr size_t kHeaderBytes = 4;
+// Per-connection read buffer: frames up to this size (with header) are read
+// together with their neighbours, larger ones straight into their own buffer.
+constexpr size_t kReadBuffer = 64 * 1024;
 // A send buffer keeps its frame header just in front of the payload, so a
 // queued message is one contiguous iovec and a gather write carries twice as
 // many messages per writev as header+payload pairs would. The payload starts 8
@@ -293,7 +296,10 @@ class ConnectionCore final : public std::enable_shared_from_this<ConnectionCore>
   size_t max_message_size() const { return options_.max_message_size; }
   const std::string& peer() const { return peer_; }
 
-  void Start() { ReadHeader(); }
+  void Start() {
+    rbuf_ = std::make_unique<std::byte[]>(kReadBuffer);
+    ReadLoop();
+  }
 
   absl::StatusOr<SendBuffer> Prepare(size_t size) {
     if (size > options_.max_message_size) {
@@ -327,7 +333,7 @@ class ConnectionCore final : public std::enable_shared_from_this<ConnectionCore>
       Message message = std::move(ready_.front());
       ready_.pop_front();
       ready_bytes_ -= message.size();
-      if (!reading_ && status_.ok() && HasQueueRoom()) ReadHeader();
+      if (!reading_ && status_.ok() && HasQueueRoom()) ReadLoop();
       PostCompletion(ex_, std::move(handler), absl::StatusOr<Message>(std::move(message)));
       return;
     }
@@ -393,30 +399,66 @@ class ConnectionCore final : public std::enable_shared_from_this<ConnectionCore>
 
   // ---- receive path
 
-  void ReadHeader() {
+  // Reads go through a per-connection buffer: one read_some usually brings a
+  // whole small frame (often several), where reading the length and then the
+  // body would cost two syscalls per message. Small frames are copied out of
+  // it into a pooled buffer; a frame larger than the buffer has only its first
+  // bytes copied and the rest read straight into its own buffer.
+  void ReadLoop() {
     reading_ = true;
-    asio::async_read(socket_, asio::buffer(header_),
-                     WithMemory(read_memory_, [self = shared_from_this()](error_code ec, size_t) {
-                       self->OnHeader(ec);
-                     }));
+    for (;;) {
+      if (!status_.ok()) {
+        reading_ = false;
+        return;
+      }
+      const size_t avail = rend_ - rpos_;
+      if (avail < kHeaderBytes) break;
+      const uint32_t size = DecodeLength(rbuf_.get() + rpos_);
+      if (size > options_.max_message_size) {
+        reading_ = false;
+        RDMARPC_LOG(kWarn, "tcp", "event=bad_frame peer=", peer_, " length=", size,
+                    " limit=", options_.max_message_size);
+        Fail(absl::UnavailableError(absl::StrCat("peer ", peer_, " sent a ", size, "-byte frame, limit ",
+                                                 options_.max_message_size, "; connection closed")));
+        return;
+      }
+      if (kHeaderBytes + size > kReadBuffer) return ReadLarge(size);
+      if (avail < kHeaderBytes + size) break;
+      Message message;
+      if (size > 0) {
+        BufferPool::Lease lease = pool_.Acquire(size);
+        std::memcpy(lease.memory, rbuf_.get() + rpos_ + kHeaderBytes, size);
+        message = Message(std::span<const std::byte>(lease.memory, size), &pool_, lease.token);
+      }
+      rpos_ += kHeaderBytes + size;
+      Deliver(std::move(message));
+      if (!HasQueueRoom()) {
+        reading_ = false;  // Receive() resumes once the application catches up.
+        return;
+      }
+    }
+    // Need more bytes: keep the partial frame at the front and read after it.
+    if (rpos_ > 0) {
+      std::memmove(rbuf_.get(), rbuf_.get() + rpos_, rend_ - rpos_);
+      rend_ -= rpos_;
+      rpos_ = 0;
+    }
+    socket_.async_read_some(asio::buffer(rbuf_.get() + rend_, kReadBuffer - rend_),
+                            WithMemory(read_memory_, [self = shared_from_this()](error_code ec, size_t n) {
+                              if (ec || !self->status_.ok()) return self->OnReadError(ec);
+                              self->rend_ += n;
+                              self->ReadLoop();
+                            }));
   }
 
-  void OnHeader(error_code ec) {
-    if (ec || !status_.ok()) return OnReadError(ec);
-    const uint32_t size = DecodeLength(header_.data());
-    if (size > options_.max_message_size) {
-      reading_ = false;
-      RDMARPC_LOG(kWarn, "tcp", "event=bad_frame peer=", peer_, " length=", size,
-                  " limit=", options_.max_message_size);
-      Fail(absl::UnavailableError(absl::StrCat("peer ", peer_, " sent a ", size, "-byte frame, limit ",
-                                               options_.max_message_size, "; connection closed")));
-      return;
-    }
-    if (size == 0) return Deliver(Message());
+  void ReadLarge(uint32_t size) {
     BufferPool::Lease lease = pool_.Acquire(size);
+    const size_t have = std::min<size_t>(rend_ - rpos_ - kHeaderBytes, size);
+    std::memcpy(lease.memory, rbuf_.get() + rpos_ + kHeaderBytes, have);
+    rpos_ = rend_ = 0;  // everything buffered belonged to this frame
     // Owned as a Message from here on, so a failed read gives the buffer back.
     body_ = Message(std::span<const std::byte>(lease.memory, size), &pool_, lease.token);
-    asio::async_read(socket_, asio::buffer(lease.memory, size),
+    asio::async_read(socket_, asio::buffer(lease.memory + have, size - have),
                      WithMemory(read_memory_, [self = shared_from_this()](error_code body_ec, size_t) {
                        self->OnBody(body_ec);
                      }));
@@ -428,6 +470,11 @@ class ConnectionCore final : public std::enable_shared_from_this<ConnectionCore>
       return OnReadError(ec);
     }
     Deliver(std::move(body_));
+    if (HasQueueRoom()) {
+      ReadLoop();
+    } else {
+      reading_ = false;
+    }
   }
 
   void OnReadError(error_code ec) {
@@ -448,11 +495,6 @@ class ConnectionCore final : public std::enable_shared_from_this<ConnectionCore>
     } else {
       ready_bytes_ += message.size();
       ready_.push_back(std::move(message));
-    }
-    if (HasQueueRoom()) {
-      ReadHeader();
-    } else {
-      reading_ = false;  // Receive() resumes once the application catches up.
     }
   }
 
@@ -576,8 +618,10 @@ class ConnectionCore final : public std::enable_shared_from_this<ConnectionCore>
   OpMemory write_memory_;
 
   // Receive path.
-  std::array<std::byte, kHeaderBytes> header_{};
-  Message body_;                  // The frame being read.
+  std::unique_ptr<std::byte[]> rbuf_;  // kReadBuffer bytes; [rpos_, rend_) not yet delivered
+  size_t rpos_ = 0;
+  size_t rend_ = 0;
+  Message body_;                  // A large frame being read straight into its buffer.
   Fifo<Message> ready_;           // Received, waiting for Receive().
   size_t ready_bytes_ = 0;
   Fifo<PendingReceive> receivers_;  // Receive()s waiting for a message.
