@@ -214,6 +214,15 @@ std::pair<StatusCode, Resp> Sync(Call&& start) {
   return {ToStatusCode(ec), std::move(resp)};
 }
 
+// Starts a Sleep of a minute and returns once the server's handler runs it.
+void StartLongSleep(Env& env, TestSvc::Stub& stub, ClientContext& ctx, Pending<Empty>& pending) {
+  SleepRequest req;
+  req.set_ms(60'000);
+  stub.async_Sleep(ctx, req, pending.token());
+  for (int i = 0; i < 3000 && env.service.sleeps_started == 0; ++i) std::this_thread::sleep_for(milliseconds(5));
+  ASSERT_EQ(env.service.sleeps_started, 1) << "the server never started the handler";
+}
+
 TEST_P(RpcSuite, UnaryEchoKeepsEveryByteFromEmptyTo16MiB) {
   Env env(GetParam());
   auto channel = env.NewChannel(env.StartServer());
@@ -588,13 +597,10 @@ TEST_P(RpcSuite, ShutdownGraceExpiryCancelsHandlersAndFailsTheirCalls) {
   Env env(GetParam());
   auto channel = env.NewChannel(env.StartServer());
   TestSvc::Stub stub(channel);
-  SleepRequest req;
-  req.set_ms(60'000);
   ClientContext ctx;
   Pending<Empty> pending;
-  stub.async_Sleep(ctx, req, pending.token());
+  StartLongSleep(env, stub, ctx, pending);
   auto& fut = pending.future;
-  for (int i = 0; i < 3000 && env.service.sleeps_started == 0; ++i) std::this_thread::sleep_for(milliseconds(5));
   std::promise<void> shut;
   const auto start = Clock::now();
   env.OnIo([&] {
@@ -612,14 +618,11 @@ TEST_P(RpcSuite, ServerGoneMidCallFailsTheCallUnavailableBeforeItsDeadline) {
   Env env(GetParam());
   auto channel = env.NewChannel(env.StartServer());
   TestSvc::Stub stub(channel);
-  SleepRequest req;
-  req.set_ms(60'000);
   ClientContext ctx;
   ctx.set_timeout(std::chrono::seconds(50));
   Pending<Empty> pending;
-  stub.async_Sleep(ctx, req, pending.token());
+  StartLongSleep(env, stub, ctx, pending);
   auto& fut = pending.future;
-  for (int i = 0; i < 3000 && env.service.sleeps_started == 0; ++i) std::this_thread::sleep_for(milliseconds(5));
   const auto start = Clock::now();
   env.StopServers();
   EXPECT_EQ(ToStatusCode(std::get<0>(Get(fut))), StatusCode::kUnavailable) << ctx.status().ToString();
@@ -684,13 +687,10 @@ TEST_P(RpcSuite, ChannelCloseCancelsPendingCalls) {
   Env env(GetParam());
   auto channel = env.NewChannel(env.StartServer());
   TestSvc::Stub stub(channel);
-  SleepRequest req;
-  req.set_ms(60'000);
   ClientContext ctx;
   Pending<Empty> pending;
-  stub.async_Sleep(ctx, req, pending.token());
+  StartLongSleep(env, stub, ctx, pending);
   auto& fut = pending.future;
-  for (int i = 0; i < 3000 && env.service.sleeps_started == 0; ++i) std::this_thread::sleep_for(milliseconds(5));
   channel->Close();
   EXPECT_EQ(ToStatusCode(std::get<0>(Get(fut))), StatusCode::kCancelled);
   ClientContext after;
