@@ -2,6 +2,7 @@
 // credit flow control (simulated two-sided traffic).
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <deque>
 #include <random>
 #include <vector>
@@ -78,41 +79,78 @@ TEST(Credits, PeerReturningMoreThanOutstandingIsAProtocolError) {
   EXPECT_FALSE(l.OnReturned(0, 1).ok());
 }
 
-TEST(Credits, RendezvousKeepsTheLastTwoCtrlCreditsForCreditFrames) {
+TEST(Credits, RendezvousKeepsTheLastCtrlCreditForACreditFrame) {
   CreditLedger l(8, 4, 8, 4);
   EXPECT_TRUE(l.CanSendRendezvous());
-  l.ConsumeRendezvous();
-  EXPECT_TRUE(l.CanSendRendezvous());
-  l.ConsumeRendezvous();
-  EXPECT_FALSE(l.CanSendRendezvous());  // Two left: reserved for CREDIT frames.
+  for (int i = 0; i < 3; ++i) l.ConsumeRendezvous();
+  EXPECT_FALSE(l.CanSendRendezvous());  // One left: reserved for an answer.
+  EXPECT_FALSE(l.WantsCreditFrame());   // Nothing owed: nothing to answer.
+  l.OnReposted(CreditLedger::Kind::kCtrl);
+  EXPECT_FALSE(l.WantsCreditFrame());   // One owed ctrl credit is below the threshold (2)...
+  l.OnReposted(CreditLedger::Kind::kCtrl);
+  EXPECT_TRUE(l.WantsCreditFrame());    // ...two are not, and may take the last credit.
+}
+
+// The thread-poller stall: two sides blocked on rendezvous frames used to
+// "ask" for credits with CREDIT frames, and each ask returned the one credit
+// the previous ask had cost, so the asks bounced forever with neither side
+// reaching the credits a CTS needs. Now a CREDIT frame is only an answer,
+// and a single CREDIT frame (one ctrl credit owed) never triggers another.
+TEST(Credits, ACreditFrameAloneNeverTriggersAnother) {
+  for (uint16_t c : {3, 4, 8, 16}) {
+    CreditLedger l(64, c, 64, c);
+    l.OnReposted(CreditLedger::Kind::kCtrl);  // The peer's CREDIT frame arrived.
+    EXPECT_FALSE(l.WantsCreditFrame()) << "ctrl window " << c;
+  }
+}
+
+// The peer has spent every data credit and we owe one: we answer at once,
+// even below the data threshold (the application may be holding the rest).
+TEST(Credits, ReturnsDataCreditsAtOnceWhenThePeerHasNoneLeft) {
+  CreditLedger l(64, 8, 64, 8);
+  for (int i = 0; i < 63; ++i) l.OnDataFrameArrived();
   l.OnReposted(CreditLedger::Kind::kData);
-  EXPECT_TRUE(l.WantsCreditFrame(/*blocked=*/true));
+  EXPECT_FALSE(l.WantsCreditFrame());  // The peer still holds one: wait for more to return.
+  l.OnDataFrameArrived();
+  EXPECT_EQ(l.peer_data_estimate(), 0u);
+  EXPECT_TRUE(l.WantsCreditFrame());
+  l.ConsumeCreditFrame();
+  EXPECT_EQ(l.TakeOwed().data, 1);
+  EXPECT_EQ(l.peer_data_estimate(), 1u);
+  EXPECT_FALSE(l.WantsCreditFrame());
 }
 
 // Two endpoints exchanging frames through in-flight queues. Each side posts
 // R data + C ctrl receives. Data frames wait for the application, which
 // releases them after a random delay; rendezvous frames (CTS/WRITE) and
-// CREDIT frames are reposted on arrival. Invariants: nobody ever sends
-// without a RECV of the right kind posted (no RNR), every message and every
-// rendezvous frame is delivered, and the run ends (no deadlock).
+// CREDIT frames are reposted on arrival. A frame becomes deliverable `lag`
+// steps after it was sent (in order, as on an RC QP), which models the
+// poller's hand-off to the executor: many frames in flight at once.
+// Invariants: nobody ever sends without a RECV of the right kind posted (no
+// RNR), every message and every rendezvous frame is delivered, the run ends
+// (no deadlock or livelock), and CREDIT frames stay within the bound
+// credits.h derives.
 struct Side {
   Side(uint16_t r, uint16_t c) : ledger(r, c, r, c), posted_data(r), posted_ctrl(c) {}
   CreditLedger ledger;
   int posted_data, posted_ctrl;  // RECVs available to the peer (ground truth).
   int to_send = 0, rdv_to_send = 0, delivered = 0, rdv_delivered = 0, credit_frames = 0;
   std::deque<int> held;  // Data RECVs consumed, not yet released by the application.
-  bool Blocked() const {
-    return (to_send > 0 && !ledger.CanSendData()) || (rdv_to_send > 0 && !ledger.CanSendRendezvous());
-  }
 };
 
 enum class FrameKind { kData, kRendezvous, kCredit };
 struct InFlight {
   FrameKind kind;
   CreditLedger::Owed owed;
+  long deliverable_at;
 };
 
-void Simulate(int a_msgs, int b_msgs, int a_rdv, int b_rdv, uint16_t r, uint16_t c, uint32_t seed) {
+struct SimResult {
+  int credit_frames = 0;
+};
+
+SimResult Simulate(int a_msgs, int b_msgs, int a_rdv, int b_rdv, uint16_t r, uint16_t c, uint32_t seed,
+                   int lag = 0) {
   Side s[2] = {Side(r, c), Side(r, c)};
   s[0].to_send = a_msgs;
   s[1].to_send = b_msgs;
@@ -124,7 +162,15 @@ void Simulate(int a_msgs, int b_msgs, int a_rdv, int b_rdv, uint16_t r, uint16_t
     return s[0].to_send == 0 && s[1].to_send == 0 && s[0].rdv_to_send == 0 && s[1].rdv_to_send == 0 &&
            wire[0].empty() && wire[1].empty() && s[0].delivered == b_msgs && s[1].delivered == a_msgs;
   };
-  for (int step = 0; step < 10'000'000 && !finished(); ++step) {
+  long step = 0;
+  auto send = [&](int i, FrameKind kind, CreditLedger::Owed owed) {
+    const long delay = lag > 0 ? static_cast<long>(rng() % static_cast<unsigned>(lag + 1)) : 0;
+    // In order: never deliverable before the frame ahead of it.
+    const long at = std::max(step + delay, wire[i].empty() ? 0 : wire[i].back().deliverable_at);
+    wire[i].push_back({kind, owed, at});
+  };
+  SimResult result;
+  for (; step < 10'000'000 && !finished(); ++step) {
     const int i = static_cast<int>(rng() % 2);
     Side& me = s[i];
     Side& peer = s[1 - i];
@@ -132,7 +178,7 @@ void Simulate(int a_msgs, int b_msgs, int a_rdv, int b_rdv, uint16_t r, uint16_t
       case 0:  // A message (DATA/RTS) if a data credit allows.
         if (me.to_send > 0 && me.ledger.CanSendData()) {
           me.ledger.ConsumeData();
-          wire[i].push_back({FrameKind::kData, me.ledger.TakeOwed()});
+          send(i, FrameKind::kData, me.ledger.TakeOwed());
           --me.to_send;
         }
         break;
@@ -142,19 +188,21 @@ void Simulate(int a_msgs, int b_msgs, int a_rdv, int b_rdv, uint16_t r, uint16_t
           // Half the rendezvous frames are WRITE_WITH_IMM, which has no header:
           // they carry no credits back.
           const bool write = rng() % 2 == 0;
-          wire[i].push_back({FrameKind::kRendezvous, write ? CreditLedger::Owed{0, 0} : me.ledger.TakeOwed()});
+          send(i, FrameKind::kRendezvous, write ? CreditLedger::Owed{0, 0} : me.ledger.TakeOwed());
           --me.rdv_to_send;
         }
         break;
       case 2:  // A frame arrives at the peer and consumes one of its RECVs.
-        if (!wire[i].empty()) {
+        if (!wire[i].empty() && wire[i].front().deliverable_at <= step) {
           InFlight f = wire[i].front();
           wire[i].pop_front();
           int& pool = f.kind == FrameKind::kData ? peer.posted_data : peer.posted_ctrl;
-          ASSERT_GT(pool, 0) << "frame arrived with no RECV of its kind posted: RNR (seed " << seed << ")";
+          EXPECT_GT(pool, 0) << "frame arrived with no RECV of its kind posted: RNR (seed " << seed << ")";
+          if (pool <= 0) return result;
           --pool;
-          ASSERT_TRUE(peer.ledger.OnReturned(f.owed.data, f.owed.ctrl).ok());
+          EXPECT_TRUE(peer.ledger.OnReturned(f.owed.data, f.owed.ctrl).ok());
           if (f.kind == FrameKind::kData) {
+            peer.ledger.OnDataFrameArrived();
             peer.held.push_back(0);
             ++peer.delivered;
           } else {  // The transport reposts at once.
@@ -172,9 +220,9 @@ void Simulate(int a_msgs, int b_msgs, int a_rdv, int b_rdv, uint16_t r, uint16_t
         }
         break;
       case 4:  // The transport returns credits if the rules say so.
-        if (me.ledger.WantsCreditFrame(me.Blocked())) {
-          me.ledger.ConsumeCreditFrame(me.Blocked());
-          wire[i].push_back({FrameKind::kCredit, me.ledger.TakeOwed()});
+        if (me.ledger.WantsCreditFrame()) {
+          me.ledger.ConsumeCreditFrame();
+          send(i, FrameKind::kCredit, me.ledger.TakeOwed());
           ++me.credit_frames;
         }
         break;
@@ -185,8 +233,12 @@ void Simulate(int a_msgs, int b_msgs, int a_rdv, int b_rdv, uint16_t r, uint16_t
                           << s[0].rdv_to_send << "/" << s[1].rdv_to_send;
   EXPECT_EQ(s[1].rdv_delivered, a_rdv);
   EXPECT_EQ(s[0].rdv_delivered, b_rdv);
-  // CREDIT frames are bounded by traffic (each returns at least one credit).
-  EXPECT_LE(s[0].credit_frames + s[1].credit_frames, 2 * (a_msgs + b_msgs + a_rdv + b_rdv) + 2);
+  // credits.h: data answers <= data frames D; ctrl answers <= (R + D) / (T - 1)
+  // with T = max(2, C / 2) owed ctrl credits per answer.
+  const int d = a_msgs + b_msgs, rdv = a_rdv + b_rdv, t = std::max(2, c / 2);
+  result.credit_frames = s[0].credit_frames + s[1].credit_frames;
+  EXPECT_LE(result.credit_frames, d + (rdv + d) / (t - 1) + 2) << "seed " << seed;
+  return result;
 }
 
 TEST(Credits, OneWayTrafficNeverSendsWithoutACreditAndNeverDeadlocks) {
@@ -202,6 +254,21 @@ TEST(Credits, RendezvousAndDataTrafficTogetherNeverDeadlock) {
   for (uint32_t seed = 1; seed <= 20; ++seed) Simulate(2000, 2000, 1500, 1500, 4, 3, seed);
   for (uint32_t seed = 1; seed <= 20; ++seed) Simulate(2000, 2000, 1500, 1500, 2, 8, seed);
   for (uint32_t seed = 1; seed <= 20; ++seed) Simulate(500, 0, 0, 3000, 8, 8, seed);
+}
+
+// Frames in flight for a long time (a busy poller's batches queued behind a
+// starved executor thread). Rendezvous-heavy traffic both ways with the
+// default windows: the old "ask" rule sent more CREDIT frames than
+// rendezvous frames here; the answer-only rules stay within (R + D) / 3 + D.
+TEST(Credits, TransitLagDoesNotMakeCreditFramesBounce) {
+  for (int lag : {10, 100, 1000}) {
+    for (uint32_t seed = 1; seed <= 10; ++seed) {
+      SimResult r = Simulate(200, 200, 2000, 2000, 64, 8, seed, lag);
+      EXPECT_LE(r.credit_frames, 2000) << "lag " << lag << " seed " << seed;
+    }
+  }
+  for (uint32_t seed = 1; seed <= 10; ++seed) Simulate(2000, 2000, 1500, 1500, 2, 3, seed, 200);
+  for (uint32_t seed = 1; seed <= 10; ++seed) Simulate(3000, 3000, 0, 0, 4, 3, seed, 200);
 }
 
 }  // namespace

@@ -15,14 +15,37 @@
 // the head of its queue, which only that CTS/WRITE can complete (the
 // conformance suite's eight-connection test deadlocked exactly so).
 //
-// Credits of both kinds ride back piggybacked on every frame. CTS/WRITE keep
-// the last ctrl credit in reserve, so a CREDIT frame can always go out; a
-// CREDIT frame is sent when a quarter of the data window or half the ctrl
-// window is owed, or once per spell in which we are blocked. A CREDIT frame
-// makes the peer owe one ctrl credit, below its threshold (>= 2), so CREDIT
-// frames cannot ping-pong; a blocked side's one frame lifts the peer's debt
-// to the threshold, so the peer answers. tests/unit/rdma_protocol_test.cc simulates
-// random two-sided schedules and checks: no SEND without a RECV, no deadlock.
+// Credits of both kinds ride back piggybacked on every frame with a header.
+// A CREDIT frame (which itself costs the peer a ctrl RECV) goes out only as
+// an *answer* that returns something the peer needs:
+//  (c) ctrl: when at least `ctrl_threshold` = max(2, own_ctrl / 2) ctrl
+//      credits are owed. It may take our last ctrl credit.
+//  (d) data: when a quarter of the data window is owed, or when the peer has
+//      (by our count) no data credit left and we owe at least one. It must
+//      leave one ctrl credit, so (c) stays possible.
+// Rendezvous frames also leave one ctrl credit. There are no "asks": a side
+// never sends a CREDIT frame because *it* is blocked. (An earlier version
+// did; two blocked sides then answered each other's asks one credit at a
+// time, thousands of CREDIT frames with neither side ever holding the three
+// credits a CTS needed -- the thread-poller stall of the eight-connection
+// conformance test.) Why this is enough, with Wc = own_ctrl >= 3 and every
+// frame arrived:
+//  - A side blocked on rendezvous holds <= 1 ctrl credit, so the peer owes
+//    it >= Wc - 1 >= ctrl_threshold and answers by (c) -- if the peer has a
+//    ctrl credit. Only a (c) answer can take a side's last ctrl credit, and
+//    it hands the other side >= 2 credits; so both sides are never at 0, and
+//    a side at 0 is owed Wc by a side that can answer.
+//  - A side blocked on data holds 0 data credits, which the peer sees
+//    exactly (`peer_data_estimate`: credits granted minus data frames
+//    received), so it answers by (d) as soon as it owes one -- at once, or
+//    when the application releases a message.
+//  - No ping-pong: a CREDIT frame makes the peer owe 1 ctrl credit, below
+//    ctrl_threshold, and returns no data; so CREDIT frames are bounded by
+//    the traffic that made credits owed (at most one per ctrl_threshold - 1
+//    rendezvous frames, plus one per data frame in the worst case).
+// tests/unit/rdma_protocol_test.cc simulates random two-sided schedules, with
+// and without transit lag, and checks: no SEND without a RECV, no deadlock,
+// CREDIT frames within that bound.
 #pragma once
 
 #include <algorithm>
@@ -41,23 +64,20 @@ class CreditLedger {
   // `own_data`/`own_ctrl`: RECVs we keep posted, for the return thresholds.
   CreditLedger(uint16_t peer_data, uint16_t peer_ctrl, uint16_t own_data, uint16_t own_ctrl)
       : peer_data_max_(peer_data), peer_ctrl_max_(peer_ctrl), data_(peer_data), ctrl_(peer_ctrl),
+        peer_data_estimate_(own_data),
         data_threshold_(std::max<uint32_t>(1, own_data / 4)),
-        ctrl_threshold_(std::max<uint32_t>(2, std::min<uint32_t>(own_ctrl - 1, own_ctrl / 2))) {}
+        ctrl_threshold_(std::max<uint32_t>(2, own_ctrl / 2)) {}
 
   uint32_t data_credits() const { return data_; }
   uint32_t ctrl_credits() const { return ctrl_; }
   // DATA / RTS.
   bool CanSendData() const { return data_ > 0; }
   void ConsumeData() { --data_; }
-  // CTS / WRITE_WITH_IMM: all but the last two ctrl credits, which are kept
-  // for CREDIT frames (one to ask, one to answer).
-  bool CanSendRendezvous() const { return ctrl_ > 2; }
+  // CTS / WRITE_WITH_IMM: all but the last ctrl credit, which is kept so a
+  // CREDIT frame can always answer.
+  bool CanSendRendezvous() const { return ctrl_ > 1; }
   void ConsumeRendezvous() { --ctrl_; }
-  // CREDIT frames may take the reserve. `blocked`: sent to unblock us.
-  void ConsumeCreditFrame(bool blocked) {
-    --ctrl_;
-    poked_ = poked_ || blocked;
-  }
+  void ConsumeCreditFrame() { --ctrl_; }
 
   // Credits the peer returned in a header. More than it could owe us is a
   // protocol violation (or corruption): the connection must end.
@@ -68,10 +88,13 @@ class CreditLedger {
                                               peer_ctrl_max_ - ctrl_, " were outstanding"));
     data_ += data;
     ctrl_ += ctrl;
-    if (data + ctrl > 0) poked_ = false;  // Our poke was answered: may ask again.
     return absl::OkStatus();
   }
 
+  // A DATA or RTS frame arrived: the peer spent one of its data credits.
+  void OnDataFrameArrived() {
+    if (peer_data_estimate_ > 0) --peer_data_estimate_;
+  }
   // We reposted a RECV that a frame of `kind` consumed.
   void OnReposted(Kind kind) { kind == Kind::kCtrl ? ++owed_ctrl_ : ++owed_data_; }
 
@@ -85,30 +108,26 @@ class CreditLedger {
            static_cast<uint8_t>(std::min<uint32_t>(owed_ctrl_, UINT8_MAX))};
     owed_data_ -= o.data;
     owed_ctrl_ -= o.ctrl;
+    peer_data_estimate_ += o.data;
     return o;
   }
   uint32_t owed_data() const { return owed_data_; }
   uint32_t owed_ctrl() const { return owed_ctrl_; }
+  // Data credits the peer holds by our count (it may hold fewer: frames in flight).
+  uint32_t peer_data_estimate() const { return peer_data_estimate_; }
 
-  // True when a CREDIT frame should go out now. `blocked`: we have frames
-  // waiting for credits of either kind. A blocked side sends one CREDIT frame
-  // per spell even when it owes nothing: the peer may owe us credits below its
-  // threshold (it cannot know we are stuck), and that frame puts it at or
-  // above the threshold, so it answers with everything it owes.
-  bool WantsCreditFrame(bool blocked) {
-    if (!blocked) poked_ = false;  // The spell is over.
-    // Answering (returning what the thresholds say) may take the last credit;
-    // asking (the blocked poke) may not, so an answer is always possible.
-    if (ctrl_ >= 1 && (owed_data_ >= data_threshold_ || owed_ctrl_ >= ctrl_threshold_)) return true;
-    return ctrl_ >= 2 && blocked && !poked_;
+  // True when a CREDIT frame should go out now (rules (c) and (d) above).
+  bool WantsCreditFrame() const {
+    if (ctrl_ >= 1 && owed_ctrl_ >= ctrl_threshold_) return true;
+    return ctrl_ >= 2 && owed_data_ > 0 && (owed_data_ >= data_threshold_ || peer_data_estimate_ == 0);
   }
 
  private:
   uint32_t peer_data_max_, peer_ctrl_max_;
   uint32_t data_, ctrl_;
   uint32_t owed_data_ = 0, owed_ctrl_ = 0;
+  uint32_t peer_data_estimate_;
   uint32_t data_threshold_, ctrl_threshold_;
-  bool poked_ = false;  // A CREDIT frame went out for the current blocked spell.
 };
 
 }  // namespace rdmarpc::rdma

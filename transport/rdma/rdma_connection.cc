@@ -11,7 +11,6 @@
 
 #include <boost/asio/co_spawn.hpp>
 #include <boost/asio/detached.hpp>
-#include <boost/asio/dispatch.hpp>
 #include <boost/asio/post.hpp>
 #include <boost/asio/use_awaitable.hpp>
 
@@ -241,11 +240,14 @@ class RdmaConnectionImpl final : public std::enable_shared_from_this<RdmaConnect
     const uint64_t id = next_receive_id_++;
     auto slot = asio::get_associated_cancellation_slot(handler);
     if (slot.is_connected()) {
+      // Runs inside emit(), which Asio requires on the operation's executor
+      // (signals and slots are not thread-safe), as the TCP backend does: a
+      // cancel emitted before a racing arrival is processed wins. Weak: Asio
+      // keeps the handler installed until the slot is reused.
       std::weak_ptr<RdmaConnectionImpl> weak = weak_from_this();
-      slot.assign([weak, ex = ex_, id](asio::cancellation_type) {
-        asio::dispatch(ex, [weak, id] {
-          if (auto self = weak.lock()) self->CancelReceive(id);
-        });
+      slot.assign([weak, id](asio::cancellation_type type) {
+        if (type == asio::cancellation_type::none) return;
+        if (auto self = weak.lock()) self->CancelReceive(id);
       });
     }
     receivers_.push_back({id, std::move(handler)});
@@ -502,18 +504,13 @@ class RdmaConnectionImpl final : public std::enable_shared_from_this<RdmaConnect
     return absl::OkStatus();
   }
 
+  // Sends a CREDIT frame when credits.h's answer rules say so. One is
+  // enough: it carries everything owed.
   void MaybeReturnCredits() {
-    const bool blocked = (!pending_.empty() && !ledger_->CanSendData()) ||
-                         (!control_.empty() && !ledger_->CanSendRendezvous());
-    while (error_.ok() && ledger_->WantsCreditFrame(blocked) && sq_used_ < opt_.send_depth &&
-           !free_send_slots_.empty()) {
-      ledger_->ConsumeCreditFrame(blocked);
+    if (error_.ok() && ledger_->WantsCreditFrame() && sq_used_ < opt_.send_depth && !free_send_slots_.empty()) {
+      ledger_->ConsumeCreditFrame();
       ++stats_.credit_frames_sent;
-      if (auto st = SendControl({wire::Type::kCredit, 0, 0, 0, 0}, nullptr); !st.ok()) {
-        Fail(st);
-        return;
-      }
-      if (blocked) break;  // One per blocked spell.
+      if (auto st = SendControl({wire::Type::kCredit, 0, 0, 0, 0}, nullptr); !st.ok()) Fail(st);
     }
   }
 
@@ -541,12 +538,14 @@ class RdmaConnectionImpl final : public std::enable_shared_from_this<RdmaConnect
         ledger_->OnReposted(CreditLedger::Kind::kCtrl);
         break;
       case wire::Type::kData:
+        ledger_->OnDataFrameArrived();
         ready_.push_back({false, slot, h->length});
         ++stats_.messages_received;
         stats_.bytes_received += h->length;
         Deliver();
         break;
       case wire::Type::kRts:
+        ledger_->OnDataFrameArrived();
         RepostAfterControl(slot, CreditLedger::Kind::kData);
         OnRts(*h);
         break;
@@ -554,7 +553,6 @@ class RdmaConnectionImpl final : public std::enable_shared_from_this<RdmaConnect
         OnCts(*h, slot);
         break;
     }
-    Pump();
   }
 
   // RTS, CTS and WRITE_WITH_IMM RECVs go back at once; RTS counts against
@@ -648,6 +646,7 @@ class RdmaConnectionImpl final : public std::enable_shared_from_this<RdmaConnect
 
   // ---- completions -------------------------------------------------------------
 
+  // A batch of completions, in CQ order (poller.h). Executor only.
   void OnCompletions(std::span<const ibv_wc> wcs) {
     for (const ibv_wc& wc : wcs) {
       ++stats_.wr_completed;
@@ -671,7 +670,6 @@ class RdmaConnectionImpl final : public std::enable_shared_from_this<RdmaConnect
           const uint32_t slot = static_cast<uint32_t>(WrIndex(wc.wr_id));
           free_send_slots_.push_back(slot);
           if (slot_handlers_[slot]) transport::PostCompletion(ex_, std::move(slot_handlers_[slot]), absl::OkStatus());
-          Pump();
           break;
         }
         case kWrWrite: {
@@ -682,11 +680,13 @@ class RdmaConnectionImpl final : public std::enable_shared_from_this<RdmaConnect
             large_out_.erase(it);
             transport::PostCompletion(ex_, std::move(h), absl::OkStatus());
           }
-          Pump();
           break;
         }
       }
     }
+    // Once per batch, after every credit, SQ slot and RECV of the batch is
+    // accounted: queued frames go out, and one frame carries all owed credits.
+    if (error_.ok()) Pump();
   }
 
   // ---- failure and close -------------------------------------------------------
