@@ -24,7 +24,9 @@ TransportOptions RdmaOptions(rdma::PollMode mode) {
 INSTANTIATE_TEST_SUITE_P(
     Rdma, RpcSuite,
     ::testing::Values(RpcTransport{"rdma_event", "rdma://" + TestIp() + ":0",
-                                   [] { return RdmaOptions(rdma::PollMode::kEvent); }}),
+                                   [] { return RdmaOptions(rdma::PollMode::kEvent); }},
+                      RpcTransport{"rdma_adaptive", "rdma://" + TestIp() + ":0",
+                                   [] { return RdmaOptions(rdma::PollMode::kAdaptive); }}),
     RpcTransportName);
 
 }  // namespace
