@@ -104,11 +104,13 @@ TEST_P(RdmaTransport, EverySizeArrivesIntactInBothDirections) {
   asio::io_context io;
   Pair p = ConnectPair(io, ctx, Options());
   ASSERT_TRUE(p.client && p.server);
-  // 0, 1; around the inline limit (64 + header); around the eager limit
-  // (4096); rendezvous sizes, and 16 MiB: above rxe's 8 MiB max message, so
+  // 0, 1; around the inline limit (64 + header); 4 KiB and around the eager
+  // limit; rendezvous sizes, and 16 MiB: above rxe's 8 MiB max message, so
   // the WRITE is split.
+  const size_t eager = rdma::RdmaOptions{}.eager_limit;
   for (size_t size : {size_t{0}, size_t{1}, size_t{63}, size_t{64}, size_t{65}, size_t{4095}, size_t{4096},
-                      size_t{4097}, size_t{65536}, size_t{1} << 20, size_t{16} << 20}) {
+                      size_t{4097}, eager - 1, eager, eager + 1, size_t{65536}, size_t{1} << 20,
+                      size_t{16} << 20}) {
     SCOPED_TRACE(size);
     ExpectDelivered(io, *p.client, *p.server, size);
     ExpectDelivered(io, *p.server, *p.client, size);
