@@ -934,9 +934,23 @@ const char* PollModeName(PollMode mode) {
 }
 
 absl::StatusOr<std::shared_ptr<RdmaContext>> RdmaContext::Open(const DeviceSelector& selector) {
+  const char* fork = "kernel";
+  if (ibv_is_fork_initialized() == IBV_FORK_DISABLED) {
+    if (int rc = ibv_fork_init(); rc != 0) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "ibv_fork_init failed (", std::strerror(rc < 0 ? -rc : rc),
+          "): this kernel needs it to keep registered memory safe across fork(), and it must run before any "
+          "memory is registered; open the RdmaContext before other verbs users register memory, or start the "
+          "process with RDMAV_FORK_SAFE=1"));
+    }
+    fork = "ibv_fork_init";
+  }
   auto dev = Device::Open(selector);
   if (!dev.ok()) return dev.status();
-  return std::shared_ptr<RdmaContext>(new RdmaContext(std::move(*dev)));
+  auto context = std::shared_ptr<RdmaContext>(new RdmaContext(std::move(*dev)));
+  context->fork_protection_ = fork;
+  RDMARPC_LOG(kInfo, "rdma", "event=context device=", context->device_.name(), " fork_protection=", fork);
+  return context;
 }
 
 absl::StatusOr<std::unique_ptr<transport::Listener>> Listen(asio::any_io_executor ex,

@@ -76,16 +76,26 @@ struct RdmaOptions {
 
 // What a process needs to use one RDMA device: the opened device and its PD.
 // Shared by the connections and listeners made from it; not a global.
+//
+// fork(): registered memory and fork() do not mix on kernels before 5.13
+// (the child's copy-on-write can leave the NIC writing into pages the parent
+// no longer sees). Open() makes the process fork-safe: where the kernel
+// protects pinned pages itself rdma-core reports IBV_FORK_UNNEEDED and nothing
+// is done; otherwise it calls ibv_fork_init(), which must happen before any
+// memory is registered (if it is too late, Open() fails and says so).
 class RdmaContext {
  public:
   static absl::StatusOr<std::shared_ptr<RdmaContext>> Open(const DeviceSelector& selector);
   const Device& device() const { return device_; }
+  // "kernel" (fork-safe without help), "ibv_fork_init", as found at Open().
+  const char* fork_protection() const { return fork_protection_; }
   // Spreads pollers of successive connections over the local cores.
   unsigned NextPollerSlot() { return next_poller_slot_.fetch_add(1, std::memory_order_relaxed); }
 
  private:
   explicit RdmaContext(Device device) : device_(std::move(device)) {}
   Device device_;
+  const char* fork_protection_ = "";
   std::atomic<unsigned> next_poller_slot_{0};
 };
 
