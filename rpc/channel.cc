@@ -243,6 +243,8 @@ void Channel::Impl::Finish(Call* call, Status status, ResponsePayload payload, b
       if (call->conn->goaway && call->conn->calls == 0 && !call->conn->dead) {
         call->conn->dead = true;
         call->conn->c->Close();
+        RDMARPC_LOG(kInfo, "channel", "event=disconnected target=", target_, " peer=", call->conn->peer,
+                    " reason=\"goaway: drained\"");
       }
     }
   }
@@ -481,6 +483,8 @@ void Channel::Impl::OnReceive(const std::shared_ptr<Conn>& conn, absl::StatusOr<
       if (conn->calls == 0) {
         conn->dead = true;
         conn->c->Close();
+        RDMARPC_LOG(kInfo, "channel", "event=disconnected target=", target_, " peer=", conn->peer,
+                    " reason=\"goaway: no calls in flight\"");
       }
       break;
     case rpc::FrameType::kPing:
@@ -543,6 +547,8 @@ void Channel::Impl::Close() {
   if (conn && !conn->dead) {
     conn->dead = true;
     conn->c->Close();
+    RDMARPC_LOG(kInfo, "channel", "event=disconnected target=", target_, " peer=", conn->peer,
+                " reason=\"channel closed\"");
   }
   CompleteWaiters(CancelledError("channel closed"));
 }

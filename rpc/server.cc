@@ -14,6 +14,7 @@
 #include "absl/container/flat_hash_map.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "rpc/admin.h"
 #include "rpc/frame.h"
 #include "transport/common/log.h"
 #include "transport/completion.h"
@@ -35,6 +36,8 @@ class Server::Impl : public std::enable_shared_from_this<Impl> {
   void Shutdown(std::chrono::milliseconds grace, asio::any_completion_handler<void()> handler);
   void Stop();
   const ServerStats& stats() const { return stats_; }
+  const ServerMetrics& metrics() const { return metrics_; }
+  const std::string& admin_uri() const { return admin_uri_; }
   const asio::any_io_executor& executor() const { return ex_; }
 
  private:
@@ -57,6 +60,7 @@ class Server::Impl : public std::enable_shared_from_this<Impl> {
   struct Conn {
     std::unique_ptr<Connection> c;
     std::string peer;
+    uint64_t id = 0;  // 1, 2, ... in accept order (logs, /connections)
     bool dead = false;
     absl::flat_hash_map<uint64_t, Call*> calls;
     // Responses waiting for send space (Prepare() said RESOURCE_EXHAUSTED);
@@ -74,6 +78,8 @@ class Server::Impl : public std::enable_shared_from_this<Impl> {
     uint64_t id = 0;
     Service* service = nullptr;
     const Service::Method* method = nullptr;
+    MethodMetrics* metrics = nullptr;
+    Clock::time_point received;
     std::unique_ptr<MessageLite> request;
     std::unique_ptr<MessageLite> response;
     ServerContext ctx;
@@ -84,6 +90,7 @@ class Server::Impl : public std::enable_shared_from_this<Impl> {
   struct Entry {
     Service* service;
     const Service::Method* method;
+    MethodMetrics* metrics;
   };
 
   void Accept(transport::Listener* listener);
@@ -103,6 +110,7 @@ class Server::Impl : public std::enable_shared_from_this<Impl> {
   void MaybeCloseDrained(const std::shared_ptr<Conn>& conn);
   void MaybeFinishShutdown();
   std::string ServiceNames() const;
+  AdminResponse AdminPage(std::string_view path) const;
 
   asio::any_io_executor ex_;
   ServerOptions options_;
@@ -118,6 +126,9 @@ class Server::Impl : public std::enable_shared_from_this<Impl> {
   asio::steady_timer grace_timer_;
   std::vector<asio::any_completion_handler<void()>> shutdown_waiters_;
   ServerStats stats_;
+  ServerMetrics metrics_;
+  std::shared_ptr<AdminServer> admin_;
+  std::string admin_uri_;
 };
 
 void Server::Impl::Recycle::operator()(Call* call) const {
@@ -156,7 +167,7 @@ Status Server::Impl::AddService(Service& service) {
                                  " is already served by ", internal::Sv(it->second.method->info.full_name),
                                  " (same method registered twice, or an id collision: rename one)"));
   }
-  for (const auto& m : service.methods()) methods_.emplace(m.info.id, Entry{&service, &m});
+  for (const auto& m : service.methods()) methods_.emplace(m.info.id, Entry{&service, &m, metrics_.AddMethod(m.info)});
   services_.push_back(&service);
   return Status();
 }
@@ -177,6 +188,21 @@ Status Server::Impl::Start() {
     }
     uris_.push_back((*listener)->local_uri());
     listeners_.push_back(std::move(*listener));
+  }
+  if (!options_.admin_listen.empty()) {
+    auto page = [weak = weak_from_this()](std::string_view path) {
+      auto self = weak.lock();
+      return self ? self->AdminPage(path) : AdminResponse{503, "text/plain; charset=utf-8", "server gone\n"};
+    };
+    auto admin = AdminServer::Start(ex_, options_.admin_listen, std::move(page));
+    if (!admin.ok()) {
+      for (auto& l : listeners_) l->Close();
+      listeners_.clear();
+      uris_.clear();
+      return Status::FromAbsl(admin.status());
+    }
+    admin_ = std::move(*admin);
+    admin_uri_ = admin_->uri();
   }
   started_ = true;
   for (auto& l : listeners_) {
@@ -202,10 +228,11 @@ void Server::Impl::Accept(transport::Listener* listener) {
     auto conn = std::make_shared<Conn>();
     conn->c = std::move(*c);
     conn->peer = conn->c->peer();
-    ++self->stats_.connections_accepted;
+    conn->id = ++self->stats_.connections_accepted;
     ++self->stats_.connections_open;
     self->conns_.push_back(conn);
-    RDMARPC_LOG(kInfo, "server", "event=accepted peer=", conn->peer);
+    // The transport hands over established connections: accepted = established.
+    RDMARPC_LOG(kInfo, "server", "event=accepted conn=", conn->id, " peer=", conn->peer);
     self->Receive(conn);
     self->Accept(listener);
   });
@@ -258,6 +285,7 @@ void Server::Impl::OnReceive(const std::shared_ptr<Conn>& conn, absl::StatusOr<M
 
 void Server::Impl::OnRequest(const std::shared_ptr<Conn>& conn, Message message, const rpc::DecodedFrame& f) {
   const uint64_t id = f.header.call_id;
+  const Clock::time_point now = Clock::now();
   ++stats_.calls_started;
   if (conn->calls.contains(id)) {
     ++stats_.bad_frames;
@@ -266,14 +294,18 @@ void Server::Impl::OnRequest(const std::shared_ptr<Conn>& conn, Message message,
     CloseConn(conn, InvalidArgumentError("call id reused while in flight"));
     return;
   }
-  if (shutting_down_ || stopped_)
-    return Respond(conn, id, UnavailableError("server is shutting down; reconnect elsewhere"), nullptr);
-  if (conn->calls.size() >= options_.max_calls_per_connection)
-    return Respond(conn, id,
-                   ResourceExhaustedError(absl::StrCat("more than ", options_.max_calls_per_connection,
-                                                       " calls in flight on this connection")),
-                   nullptr);
   auto it = methods_.find(f.header.method_id);
+  // Calls answered without a handler count for their method (unknown
+  // methods only in ServerStats::unknown_methods).
+  auto reject = [&](Status st) {
+    if (it != methods_.end()) it->second.metrics->Record(st.code(), Clock::now() - now);
+    Respond(conn, id, std::move(st), nullptr);
+  };
+  if (shutting_down_ || stopped_)
+    return reject(UnavailableError("server is shutting down; reconnect elsewhere"));
+  if (conn->calls.size() >= options_.max_calls_per_connection)
+    return reject(ResourceExhaustedError(absl::StrCat("more than ", options_.max_calls_per_connection,
+                                                      " calls in flight on this connection")));
   if (it == methods_.end()) {
     ++stats_.unknown_methods;
     return Respond(conn, id,
@@ -283,19 +315,17 @@ void Server::Impl::OnRequest(const std::shared_ptr<Conn>& conn, Message message,
   }
   const Entry entry = it->second;
   if (entry.method->invoke == nullptr)
-    return Respond(conn, id,
-                   UnimplementedError(absl::StrCat(internal::Sv(entry.method->info.full_name),
-                                                   " is a streaming method; this server has no stream runtime")),
-                   nullptr);
+    return reject(UnimplementedError(absl::StrCat(internal::Sv(entry.method->info.full_name),
+                                                  " is a streaming method; this server has no stream runtime")));
   CallPtr call = NewCall(entry.method);
   call->conn = conn;
   call->id = id;
   call->service = entry.service;
+  call->metrics = entry.metrics;
+  call->received = now;
   if (!call->request->ParseFromArray(f.payload.data(), static_cast<int>(f.payload.size())))
-    return Respond(conn, id,
-                   InvalidArgumentError(absl::StrCat("request for ", internal::Sv(entry.method->info.full_name),
-                                                     " does not parse as ", call->request->GetTypeName())),
-                   nullptr);
+    return reject(InvalidArgumentError(absl::StrCat("request for ", internal::Sv(entry.method->info.full_name),
+                                                    " does not parse as ", call->request->GetTypeName())));
   call->ctx.Reset(&conn->peer);
   rpc::ParseMetadata(f.metadata, call->ctx.mutable_metadata());
   message.Reset();  // the receive buffer goes back to the transport (and its credit to the peer)
@@ -303,8 +333,7 @@ void Server::Impl::OnRequest(const std::shared_ptr<Conn>& conn, Message message,
   conn->calls.emplace(id, raw);
   ++stats_.calls_in_flight;
   if (f.header.timeout_us != 0) {
-    const auto deadline = Clock::now() + std::chrono::microseconds(
-                                             std::min<uint64_t>(f.header.timeout_us, uint64_t{1} << 40));
+    const auto deadline = now + std::chrono::microseconds(std::min<uint64_t>(f.header.timeout_us, uint64_t{1} << 40));
     raw->ctx.set_deadline(deadline);
     raw->deadline_timer.expires_at(deadline);
     raw->deadline_timer.async_wait([self = shared_from_this(), raw, us = f.header.timeout_us](boost::system::error_code ec) {
@@ -354,8 +383,13 @@ void Server::Impl::OnHandlerDone(Call* raw, std::exception_ptr error, Status sta
         status = InternalError(absl::StrCat("handler of ", internal::Sv(call->method->info.full_name), " threw"));
       }
     }
+    call->metrics->Record(status.code(), Clock::now() - call->received);
     call->answered = true;
     Respond(conn, id, std::move(status), std::move(call));  // frees the call once sent
+  } else {
+    // Answered (deadline, shutdown) or abandoned (client cancel, disconnect) by a cancellation.
+    call->metrics->Record(call->ctx.is_cancelled() ? call->ctx.cancel_reason() : StatusCode::kCancelled,
+                          Clock::now() - call->received);
   }
   call.reset();
   MaybeCloseDrained(conn);
@@ -434,8 +468,8 @@ void Server::Impl::CloseConn(const std::shared_ptr<Conn>& conn, const Status& wh
   conn->pending.clear();  // unsent responses (and the calls they keep alive)
   --stats_.connections_open;
   std::erase(conns_, conn);
-  RDMARPC_LOG(kInfo, "server", "event=disconnected peer=", conn->peer, " reason=\"", why.ToString(),
-              "\" calls_cancelled=", conn->calls.size());
+  RDMARPC_LOG(kInfo, "server", "event=disconnected conn=", conn->id, " peer=", conn->peer, " reason=\"",
+              why.ToString(), "\" calls_cancelled=", conn->calls.size());
   std::vector<Call*> calls;
   for (auto& [id, call] : conn->calls) calls.push_back(call);
   for (Call* call : calls) {
@@ -479,6 +513,7 @@ void Server::Impl::Shutdown(std::chrono::milliseconds grace, asio::any_completio
 void Server::Impl::MaybeFinishShutdown() {
   if (!shutting_down_ || stats_.calls_in_flight != 0 || !conns_.empty() || shutdown_waiters_.empty()) return;
   grace_timer_.cancel();
+  if (admin_) admin_->Close();  // its accept would keep the io_context running
   for (auto& w : std::exchange(shutdown_waiters_, {})) transport::PostCompletion(ex_, std::move(w));
 }
 
@@ -488,6 +523,7 @@ void Server::Impl::Stop() {
   shutting_down_ = true;
   grace_timer_.cancel();
   for (auto& l : listeners_) l->Close();
+  if (admin_) admin_->Close();
   for (auto conn : std::vector(conns_)) CloseConn(conn, UnavailableError("server stopped"));
 }
 
@@ -495,6 +531,18 @@ std::string Server::Impl::ServiceNames() const {
   std::vector<std::string> names;
   for (Service* s : services_) names.emplace_back(s->service_name());
   return absl::StrJoin(names, ", ");
+}
+
+AdminResponse Server::Impl::AdminPage(std::string_view path) const {
+  if (path != "/metrics" && path != "/connections")
+    return AdminResponse{404, "text/plain; charset=utf-8", "not found: try /metrics or /connections\n"};
+  std::vector<AdminConnection> conns;
+  conns.reserve(conns_.size());
+  for (const auto& c : conns_)
+    if (!c->dead) conns.push_back({c->id, c->peer, c->calls.size(), c->pending.size(), c->c->stats()});
+  if (path == "/metrics")
+    return AdminResponse{200, "text/plain; version=0.0.4; charset=utf-8", RenderPrometheus(metrics_, stats_, conns)};
+  return AdminResponse{200, "application/json", RenderConnectionsJson(conns)};
 }
 
 // ---- Server -------------------------------------------------------------------
@@ -514,11 +562,13 @@ Server::~Server() {
 Status Server::AddService(Service& service) { return impl_->AddService(service); }
 Status Server::Start() { return impl_->Start(); }
 std::vector<std::string> Server::local_uris() const { return impl_->uris(); }
+std::string Server::admin_uri() const { return impl_->admin_uri(); }
 void Server::Shutdown(std::chrono::milliseconds grace, asio::any_completion_handler<void()> handler) {
   asio::dispatch(impl_->executor(), [impl = impl_, grace, h = std::move(handler)]() mutable {
     impl->Shutdown(grace, std::move(h));
   });
 }
 ServerStats Server::stats() const { return impl_->stats(); }
+const ServerMetrics& Server::metrics() const { return impl_->metrics(); }
 
 }  // namespace rdmarpc

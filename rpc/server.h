@@ -29,6 +29,7 @@
 #include <boost/asio/async_result.hpp>
 
 #include "rpc/endpoint.h"
+#include "rpc/metrics.h"
 #include "rpc/service.h"
 #include "rpc/status.h"
 
@@ -41,6 +42,11 @@ struct ServerOptions {
   TransportOptions transport;
   // Calls in flight per connection at most; more are answered RESOURCE_EXHAUSTED.
   size_t max_calls_per_connection = 4096;
+  // The admin HTTP endpoint (GET /metrics, /connections; rpc/admin.h):
+  // "127.0.0.1:9100", ":9100" (host 127.0.0.1), "[::1]:0"; port 0 picks a
+  // free port (see admin_uri()). Empty: no endpoint. Bind 127.0.0.1 unless
+  // the numbers may be read by the whole network.
+  std::string admin_listen;
 };
 
 struct ServerStats {
@@ -71,6 +77,8 @@ class Server {
   Status Start();
   // The URIs clients connect to, ports resolved; valid after Start().
   std::vector<std::string> local_uris() const;
+  // "http://127.0.0.1:9100" of the admin endpoint after Start(); empty if off.
+  std::string admin_uri() const;
 
   // Graceful stop: no new connections; connected clients get GOAWAY; calls
   // that arrive afterwards are answered UNAVAILABLE; calls in flight run to
@@ -86,6 +94,8 @@ class Server {
 
   // On the server's executor.
   ServerStats stats() const;
+  // On the server's executor: per-method calls and latency (rpc/metrics.h).
+  const ServerMetrics& metrics() const;
 
   class Impl;
 
