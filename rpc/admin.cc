@@ -250,6 +250,8 @@ constexpr StatField kStatFields[] = {
     {"grants_live", &transport::ConnectionStats::grants_live, true, "Rendezvous grants outstanding."},
     {"rnr_errors", &transport::ConnectionStats::rnr_errors, false, "RNR retry-exceeded completions (0 by design)."},
     {"wc_errors", &transport::ConnectionStats::wc_errors, false, "Other non-success work completions."},
+    {"qp_state", &transport::ConnectionStats::qp_state, true,
+     "RDMA queue pair state, 1 + ibv_qp_state (4 = RTS, healthy; 7 = ERR); 0 for tcp."},
 };
 
 void Metric(std::string& out, std::string_view name, std::string_view type, std::string_view help) {

@@ -120,6 +120,10 @@ struct ConnectionStats {
   uint64_t grants_live = 0;
   uint64_t rnr_errors = 0;           // IBV_WC_RNR_RETRY_EXC_ERR seen: 0 by design.
   uint64_t wc_errors = 0;            // Non-success completions of any other kind.
+  // The queue pair's state as the device reports it, 1 + ibv_qp_state:
+  // 1 RESET, 2 INIT, 3 RTR, 4 RTS (healthy), 5 SQD, 6 SQE, 7 ERR; 0 when there
+  // is no QP (TCP, or after teardown).
+  uint64_t qp_state = 0;
 };
 
 using SendHandler = asio::any_completion_handler<void(absl::Status)>;

@@ -120,6 +120,7 @@ TEST_P(RdmaTransport, EverySizeArrivesIntactInBothDirections) {
     ExpectDelivered(io, *p.server, *p.client, size);
   }
   auto cs = p.client->stats();
+  EXPECT_EQ(cs.qp_state, 1u + IBV_QPS_RTS);
   EXPECT_GT(cs.eager_bytes, 0u);
   EXPECT_GT(cs.rendezvous_bytes, size_t{16} << 20);
   EXPECT_EQ(cs.grants_live, 0u);

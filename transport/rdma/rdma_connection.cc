@@ -264,6 +264,11 @@ class RdmaConnectionImpl final : public std::enable_shared_from_this<RdmaConnect
     auto s = stats_;
     s.credits_available = ledger_ ? ledger_->data_credits() : 0;
     s.grants_live = grants_.size();
+    if (ep_ && ep_->qp() != nullptr) {
+      ibv_qp_attr attr{};
+      ibv_qp_init_attr init{};
+      if (ibv_query_qp(ep_->qp(), &attr, IBV_QP_STATE, &init) == 0) s.qp_state = 1 + static_cast<uint64_t>(attr.qp_state);
+    }
     return s;
   }
 
