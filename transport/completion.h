@@ -6,6 +6,7 @@
 
 #include <boost/asio/any_io_executor.hpp>
 #include <boost/asio/append.hpp>
+#include <boost/asio/dispatch.hpp>
 #include <boost/asio/io_context.hpp>
 #include <boost/asio/post.hpp>
 
@@ -24,6 +25,19 @@ void PostCompletion(const boost::asio::any_io_executor& io_ex, Handler&& handler
     return;
   }
   boost::asio::post(io_ex, boost::asio::append(std::forward<Handler>(handler), std::forward<Args>(args)...));
+}
+
+// Like PostCompletion, but runs `handler` at once when the caller is already
+// on `io_ex` (and the handler's executor allows it). Only for completions
+// found while handling an I/O event, never inside the call that started the
+// operation: that must post.
+template <typename Handler, typename... Args>
+void DispatchCompletion(const boost::asio::any_io_executor& io_ex, Handler&& handler, Args&&... args) {
+  if (const auto* ioc = io_ex.target<boost::asio::io_context::executor_type>()) {
+    boost::asio::dispatch(*ioc, boost::asio::append(std::forward<Handler>(handler), std::forward<Args>(args)...));
+    return;
+  }
+  boost::asio::dispatch(io_ex, boost::asio::append(std::forward<Handler>(handler), std::forward<Args>(args)...));
 }
 
 }  // namespace rdmarpc::transport

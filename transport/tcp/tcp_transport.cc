@@ -447,7 +447,9 @@ class ConnectionCore final : public std::enable_shared_from_this<ConnectionCore>
                             WithMemory(read_memory_, [self = shared_from_this()](error_code ec, size_t n) {
                               if (ec || !self->status_.ok()) return self->OnReadError(ec);
                               self->rend_ += n;
+                              self->in_io_handler_ = true;
                               self->ReadLoop();
+                              self->in_io_handler_ = false;
                             }));
   }
 
@@ -469,12 +471,14 @@ class ConnectionCore final : public std::enable_shared_from_this<ConnectionCore>
       body_.Reset();
       return OnReadError(ec);
     }
+    in_io_handler_ = true;
     Deliver(std::move(body_));
     if (HasQueueRoom()) {
       ReadLoop();
     } else {
       reading_ = false;
     }
+    in_io_handler_ = false;
   }
 
   void OnReadError(error_code ec) {
@@ -491,7 +495,13 @@ class ConnectionCore final : public std::enable_shared_from_this<ConnectionCore>
     messages_received_.fetch_add(1, std::memory_order_relaxed);
     bytes_received_.fetch_add(message.size(), std::memory_order_relaxed);
     if (std::optional<ReceiveHandler> receiver = PopReceiver()) {
-      CompleteReceive(std::move(*receiver), std::move(message));
+      // From the read handler: run the receiver now instead of queueing it
+      // behind a reactor pass (one event-loop turn less per message). Not
+      // reentrant: what it starts (another Receive()) completes by posting.
+      const bool now = in_io_handler_;
+      in_io_handler_ = false;
+      CompleteReceive(std::move(*receiver), std::move(message), now);
+      in_io_handler_ = now;
     } else {
       ready_bytes_ += message.size();
       ready_.push_back(std::move(message));
@@ -511,11 +521,15 @@ class ConnectionCore final : public std::enable_shared_from_this<ConnectionCore>
     return std::nullopt;
   }
 
-  void CompleteReceive(ReceiveHandler handler, absl::StatusOr<Message> result) {
+  void CompleteReceive(ReceiveHandler handler, absl::StatusOr<Message> result, bool dispatch = false) {
     // Detach our canceller so a late emit() cannot reach this operation.
     auto slot = asio::get_associated_cancellation_slot(handler);
     if (slot.is_connected()) slot.clear();
-    PostCompletion(ex_, std::move(handler), std::move(result));
+    if (dispatch) {
+      DispatchCompletion(ex_, std::move(handler), std::move(result));
+    } else {
+      PostCompletion(ex_, std::move(handler), std::move(result));
+    }
   }
 
   // Runs inside the cancellation slot's handler, so it must not clear the slot.
@@ -554,15 +568,20 @@ class ConnectionCore final : public std::enable_shared_from_this<ConnectionCore>
     // OK unless the connection failed or was closed meanwhile (then the
     // contract says the pending send completes with that status).
     const absl::Status result = status_;
-    for (PendingSend& s : in_flight_) {
+    // Run the handlers now (we are in the write handler, not in Send()); a
+    // Send() they make is queued (writing_ is still set) and written below.
+    std::vector<PendingSend> done;
+    done.swap(in_flight_);
+    for (PendingSend& s : done) {
       pool_.Release(s.token);
       if (result.ok()) {
         messages_sent_.fetch_add(1, std::memory_order_relaxed);
         bytes_sent_.fetch_add(s.size, std::memory_order_relaxed);
       }
-      PostCompletion(ex_, std::move(s.handler), result);
+      DispatchCompletion(ex_, std::move(s.handler), result);
     }
-    in_flight_.clear();
+    done.clear();
+    if (in_flight_.empty()) in_flight_.swap(done);  // keep the capacity: no allocation next time
     writing_ = false;
     if (status_.ok() && !send_queue_.empty()) WriteBatch();
   }
@@ -627,6 +646,7 @@ class ConnectionCore final : public std::enable_shared_from_this<ConnectionCore>
   Fifo<PendingReceive> receivers_;  // Receive()s waiting for a message.
   uint64_t next_receive_id_ = 1;
   bool reading_ = false;
+  bool in_io_handler_ = false;  // inside the socket read handler: completions may run at once
 
   // Send path.
   Fifo<PendingSend> send_queue_;
