@@ -1,4 +1,5 @@
 #include "bench_common.h"
+#include "perftest.h"
 
 #include <time.h>
 #include <unistd.h>
@@ -360,41 +361,6 @@ Row LoadGen::Result(const std::string& transport, const std::string& poll) const
 
 // ---- perftest --------------------------------------------------------------------
 
-namespace {
-
-// Runs a perftest server and client on this host; returns the client's output.
-std::string RunPair(const std::string& server_cmd, const std::string& client_cmd) {
-  // `timeout`: a perftest side that loses its peer waits forever otherwise.
-  const std::string cmd = "timeout 120 " + server_cmd + " >/dev/null 2>&1 & sleep 2; timeout 120 " + client_cmd +
-                          " 2>&1; wait";
-  FILE* p = popen(cmd.c_str(), "r");
-  if (p == nullptr) return "";
-  std::string out;
-  char buf[512];
-  while (std::fgets(buf, sizeof buf, p) != nullptr) out += buf;
-  pclose(p);
-  return out;
-}
-
-// The all-numeric line of a perftest table that starts with `size`.
-std::vector<double> TableLine(const std::string& out, size_t size) {
-  for (auto line : absl::StrSplit(out, '\n')) {
-    std::vector<absl::string_view> tok = absl::StrSplit(line, ' ', absl::SkipWhitespace());
-    size_t first = 0;
-    if (tok.size() < 2 || !absl::SimpleAtoi(tok[0], &first) || first != size) continue;
-    std::vector<double> v;
-    for (size_t i = 1; i < tok.size(); ++i) {
-      double d = 0;
-      if (!absl::SimpleAtod(tok[i], &d)) break;
-      v.push_back(d);
-    }
-    if (v.size() + 1 == tok.size()) return v;
-  }
-  return {};
-}
-
-}  // namespace
-
 Ceiling RunPerftest(const Flags& flags, size_t size) {
   Ceiling c;
   c.size = size;
@@ -403,13 +369,13 @@ Ceiling RunPerftest(const Flags& flags, size_t size) {
   // Fewer iterations for large messages: 1 MiB takes ~100 ms per message under emulation.
   const std::string n = size >= 65536 ? " -n 100" : " -n 1000";
   // ib_send_lat columns: #bytes #iterations t_min t_max t_typical t_avg t_stdev 99% 99.9%
-  auto lat = TableLine(RunPair("ib_send_lat -F" + n + s, "ib_send_lat -F" + n + s + " " + flags.ip), size);
+  auto lat = perftest::TableLine(perftest::RunPair("ib_send_lat -F" + n + s, "ib_send_lat -F" + n + s + " " + flags.ip), size);
   if (lat.size() >= 7) {
     c.rtt_p50_us = 2 * lat[3];  // one-way x 2 = round trip
     c.rtt_p99_us = 2 * lat[6];
   }
   // ib_write_bw columns: #bytes #iterations BW_peak BW_average MsgRate (MB/s = 2^20 B/s)
-  auto bw = TableLine(RunPair("ib_write_bw -F -n 100" + s, "ib_write_bw -F -n 100" + s + " " + flags.ip), size);
+  auto bw = perftest::TableLine(perftest::RunPair("ib_write_bw -F -n 100" + s, "ib_write_bw -F -n 100" + s + " " + flags.ip), size);
   if (bw.size() >= 3) c.bw_gbps = bw[2] * 1048576.0 * 8 / 1e9;
   return c;
 }

@@ -27,10 +27,12 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
+#include "bench/perftest.h"
 #include "transport/rdma/rdma_transport.h"
 #include "transport/tcp/tcp_transport.h"
 
 namespace asio = boost::asio;
+namespace perftest = rdmarpc::bench::perftest;
 using Clock = std::chrono::steady_clock;
 using rdmarpc::transport::Connection;
 using rdmarpc::transport::Listener;
@@ -303,38 +305,6 @@ absl::Status RunTransport(const std::string& name, const Flags& f, std::vector<R
   return st;
 }
 
-// Runs a perftest pair on the local device; returns its output.
-std::string RunPair(const std::string& server_cmd, const std::string& client_cmd) {
-  // `timeout`: a perftest pair that loses its peer would otherwise wait forever.
-  std::string bg = "timeout 120 " + server_cmd + " >/dev/null 2>&1 & sleep 2; timeout 120 " + client_cmd +
-                   " 2>&1; wait";
-  FILE* p = popen(bg.c_str(), "r");
-  if (!p) return "";
-  std::string out;
-  char buf[512];
-  while (fgets(buf, sizeof buf, p)) out += buf;
-  pclose(p);
-  return out;
-}
-
-// Table row of perftest output for `size`: the numbers after it. (No
-// <regex>: GCC 12 warns inside libstdc++'s regex under -fsanitize.)
-std::vector<double> PerftestRow(const std::string& out, size_t size) {
-  for (auto line : absl::StrSplit(out, '\n')) {
-    std::vector<absl::string_view> tok = absl::StrSplit(line, ' ', absl::SkipWhitespace());
-    size_t first = 0;
-    if (tok.size() < 2 || !absl::SimpleAtoi(tok[0], &first) || first != size) continue;
-    std::vector<double> v;
-    for (size_t i = 1; i < tok.size(); ++i) {
-      double d = 0;
-      if (!absl::SimpleAtod(tok[i], &d)) break;
-      v.push_back(d);
-    }
-    if (v.size() + 1 == tok.size()) return v;  // A row of numbers only.
-  }
-  return {};
-}
-
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -358,13 +328,13 @@ int main(int argc, char** argv) {
       // Fewer iterations for big messages: under emulation 1 MiB takes ~100 ms.
       const std::string n = size >= 65536 ? " -n 100" : " -n 1000";
       const std::string s = " -s " + std::to_string(size) + d;
-      auto lat = PerftestRow(RunPair("ib_send_lat -F" + n + s, "ib_send_lat -F" + n + s + " " + f.ip), size);
+      auto lat = perftest::TableLine(perftest::RunPair("ib_send_lat -F" + n + s, "ib_send_lat -F" + n + s + " " + f.ip), size);
       // Columns: #iterations t_min t_max t_typical t_avg t_stdev 99% 99.9%
       if (lat.size() >= 7) {
         r.p50 = 2 * lat[3];
         r.p99 = 2 * lat[6];
       }
-      auto bw = PerftestRow(RunPair("ib_write_bw -F -n 100" + s, "ib_write_bw -F -n 100" + s + " " + f.ip), size);
+      auto bw = perftest::TableLine(perftest::RunPair("ib_write_bw -F -n 100" + s, "ib_write_bw -F -n 100" + s + " " + f.ip), size);
       // Columns: #iterations BW_peak BW_average MsgRate (MB/s = 2^20 bytes)
       if (bw.size() >= 3) r.gbps = bw[2] * 1048576.0 * 8 / 1e9;
       ceiling.push_back(r);

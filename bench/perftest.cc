@@ -1,0 +1,41 @@
+#include "perftest.h"
+
+#include <cstdio>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_split.h"
+
+namespace rdmarpc::bench::perftest {
+
+// Runs a perftest server and client on this host; returns the client's output.
+std::string RunPair(const std::string& server_cmd, const std::string& client_cmd) {
+  // `timeout`: a perftest side that loses its peer waits forever otherwise.
+  const std::string cmd = "timeout 120 " + server_cmd + " >/dev/null 2>&1 & sleep 2; timeout 120 " + client_cmd +
+                          " 2>&1; wait";
+  FILE* p = popen(cmd.c_str(), "r");
+  if (p == nullptr) return "";
+  std::string out;
+  char buf[512];
+  while (std::fgets(buf, sizeof buf, p) != nullptr) out += buf;
+  pclose(p);
+  return out;
+}
+
+// The all-numeric line of a perftest table that starts with `size`.
+std::vector<double> TableLine(const std::string& out, size_t size) {
+  for (auto line : absl::StrSplit(out, '\n')) {
+    std::vector<absl::string_view> tok = absl::StrSplit(line, ' ', absl::SkipWhitespace());
+    size_t first = 0;
+    if (tok.size() < 2 || !absl::SimpleAtoi(tok[0], &first) || first != size) continue;
+    std::vector<double> v;
+    for (size_t i = 1; i < tok.size(); ++i) {
+      double d = 0;
+      if (!absl::SimpleAtod(tok[i], &d)) break;
+      v.push_back(d);
+    }
+    if (v.size() + 1 == tok.size()) return v;
+  }
+  return {};
+}
+
+}  // namespace rdmarpc::bench::perftest
