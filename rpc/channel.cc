@@ -78,7 +78,7 @@ class Channel::Impl : public std::enable_shared_from_this<Impl> {
   };
   struct Conn {
     std::unique_ptr<Connection> c;
-    std::string peer;
+    std::shared_ptr<const std::string> peer;
     bool dead = false;
     bool goaway = false;
     size_t calls = 0;
@@ -124,6 +124,13 @@ class Channel::Impl : public std::enable_shared_from_this<Impl> {
   void FailLater(Call* call, Status status);
   void Finish(Call* call, Status status, ResponsePayload payload, bool tell_server);
   void Send(Call* call);
+  // The call cannot go out now: keep its request as bytes, so the caller's
+  // request object need not outlive the initiating function.
+  static void KeepSerialisedCopy(Call* call) {
+    if (call->request == nullptr) return;
+    call->request->SerializeToString(&call->request_bytes);
+    call->request = nullptr;
+  }
   void PumpBlocked(const std::shared_ptr<Conn>& conn);
   void SendControl(const std::shared_ptr<Conn>& conn, rpc::FrameType type, uint64_t call_id);
   void StartConnect();
@@ -203,10 +210,7 @@ void Channel::Impl::Start(ClientContext& ctx, const MethodInfo& method, const Me
 
   // The request only has to live until the initiating function returns: a
   // call that cannot go out now keeps a serialised copy.
-  if (state_ != State::kReady && call->request != nullptr) {
-    call->request->SerializeToString(&call->request_bytes);
-    call->request = nullptr;
-  }
+  if (state_ != State::kReady) KeepSerialisedCopy(call);
   switch (state_) {
     case State::kReady:
       return Send(call);
@@ -243,7 +247,7 @@ void Channel::Impl::Finish(Call* call, Status status, ResponsePayload payload, b
       if (call->conn->goaway && call->conn->calls == 0 && !call->conn->dead) {
         call->conn->dead = true;
         call->conn->c->Close();
-        RDMARPC_LOG(kInfo, "channel", "event=disconnected target=", target_, " peer=", call->conn->peer,
+        RDMARPC_LOG(kInfo, "channel", "event=disconnected target=", target_, " peer=", *call->conn->peer,
                     " reason=\"goaway: drained\"");
       }
     }
@@ -281,10 +285,7 @@ void Channel::Impl::Send(Call* call) {
   if (!buffer.ok()) {
     if (buffer.status().code() == absl::StatusCode::kResourceExhausted) {
       // Every send slot is busy: wait for a send to complete.
-      if (call->request != nullptr) {
-        call->request->SerializeToString(&call->request_bytes);
-        call->request = nullptr;
-      }
+      KeepSerialisedCopy(call);
       call->state = CallState::kBlocked;
       call->conn = conn;
       conn->blocked.push_back({call, call->generation});
@@ -399,11 +400,11 @@ void Channel::Impl::OnConnected(absl::StatusOr<std::unique_ptr<Connection>> resu
   backoff_ = options_.initial_backoff;
   auto conn = std::make_shared<Conn>();
   conn->c = std::move(*result);
-  conn->peer = conn->c->peer();
+  conn->peer = std::make_shared<const std::string>(conn->c->peer());
   conn_ = conn;
   state_ = State::kReady;
   last_error_ = Status();
-  RDMARPC_LOG(kInfo, "channel", "event=established target=", target_, " peer=", conn->peer);
+  RDMARPC_LOG(kInfo, "channel", "event=established target=", target_, " peer=", *conn->peer);
   Receive(conn);
   for (Ref r : std::exchange(queued_, {}))
     if (r.live() && r.call->state == CallState::kQueued && conn_ == conn) Send(r.call);
@@ -483,7 +484,7 @@ void Channel::Impl::OnReceive(const std::shared_ptr<Conn>& conn, absl::StatusOr<
       if (conn->calls == 0) {
         conn->dead = true;
         conn->c->Close();
-        RDMARPC_LOG(kInfo, "channel", "event=disconnected target=", target_, " peer=", conn->peer,
+        RDMARPC_LOG(kInfo, "channel", "event=disconnected target=", target_, " peer=", *conn->peer,
                     " reason=\"goaway: no calls in flight\"");
       }
       break;
@@ -510,7 +511,7 @@ void Channel::Impl::ConnFailed(const std::shared_ptr<Conn>& conn, const Status& 
   }
   conn->dead = true;
   conn->c->Close();
-  RDMARPC_LOG(kWarn, "channel", "event=disconnected target=", target_, " peer=", conn->peer, " error=\"",
+  RDMARPC_LOG(kWarn, "channel", "event=disconnected target=", target_, " peer=", *conn->peer, " error=\"",
               why.ToString(), "\" calls_failed=", conn->calls);
   if (conn_ == conn) {
     conn_.reset();
@@ -547,7 +548,7 @@ void Channel::Impl::Close() {
   if (conn && !conn->dead) {
     conn->dead = true;
     conn->c->Close();
-    RDMARPC_LOG(kInfo, "channel", "event=disconnected target=", target_, " peer=", conn->peer,
+    RDMARPC_LOG(kInfo, "channel", "event=disconnected target=", target_, " peer=", *conn->peer,
                 " reason=\"channel closed\"");
   }
   CompleteWaiters(CancelledError("channel closed"));

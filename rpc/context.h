@@ -5,6 +5,7 @@
 
 #include <atomic>
 #include <chrono>
+#include <memory>
 #include <optional>
 #include <string>
 #include <string_view>
@@ -47,18 +48,22 @@ class ClientContext {
 
   // After completion: the call's full status (code and message) and the peer.
   const Status& status() const { return status_; }
-  const std::string& peer() const { return peer_; }
+  const std::string& peer() const {
+    static const std::string kNone;
+    return peer_ ? *peer_ : kNone;
+  }
 
   // For the runtime.
   void SetResult(Status status) { status_ = std::move(status); }
-  void SetPeer(const std::string& peer) { peer_ = peer; }
+  // Shared with the connection: no string copy per call.
+  void SetPeer(std::shared_ptr<const std::string> peer) { peer_ = std::move(peer); }
 
  private:
   std::optional<Clock::time_point> deadline_;
   rpc::Metadata metadata_;
   bool wait_for_ready_ = false;
   Status status_;
-  std::string peer_;
+  std::shared_ptr<const std::string> peer_;
 };
 
 // What a handler sees. Cancellation (the client cancelled, the deadline
