@@ -16,6 +16,7 @@
 #include "rpc/frame.h"
 #include "transport/common/log.h"
 #include "transport/completion.h"
+#include "transport/handler_memory.h"
 
 namespace rdmarpc {
 
@@ -199,10 +200,11 @@ void Channel::Impl::Start(ClientContext& ctx, const MethodInfo& method, const Me
   if (auto d = ctx.deadline()) {
     if (*d <= Clock::now()) return FailLater(call, DeadlineExceededError("deadline passed before the call started"));
     call->timer.expires_at(*d);
-    call->timer.async_wait([self = shared_from_this(), r = Ref{call, call->generation}](boost::system::error_code ec) {
-      if (!ec && r.live())
-        self->Finish(r.call, DeadlineExceededError("deadline exceeded (client timer)"), {}, true);
-    });
+    call->timer.async_wait(transport::WithHandlerMemory(
+        [self = shared_from_this(), r = Ref{call, call->generation}](boost::system::error_code ec) {
+          if (!ec && r.live())
+            self->Finish(r.call, DeadlineExceededError("deadline exceeded (client timer)"), {}, true);
+        }));
   }
   call->slot = asio::get_associated_cancellation_slot(call->handler);
   if (call->slot.is_connected())
@@ -316,10 +318,11 @@ void Channel::Impl::Send(Call* call) {
   call->conn = conn;
   ++conn->calls;
   sent_.emplace(call->id, call);
-  conn->c->Send(std::move(*buffer), [self = shared_from_this(), c = conn](absl::Status st) {
-    if (!st.ok()) return self->ConnFailed(c, Status::FromAbsl(st));
-    if (!c->blocked.empty()) self->PumpBlocked(c);
-  });
+  conn->c->Send(std::move(*buffer),
+                transport::WithHandlerMemory([self = shared_from_this(), c = conn](absl::Status st) {
+                  if (!st.ok()) return self->ConnFailed(c, Status::FromAbsl(st));
+                  if (!c->blocked.empty()) self->PumpBlocked(c);
+                }));
 }
 
 void Channel::Impl::PumpBlocked(const std::shared_ptr<Conn>& conn) {
@@ -345,7 +348,7 @@ void Channel::Impl::SendControl(const std::shared_ptr<Conn>& conn, rpc::FrameTyp
   h.type = type;
   h.call_id = call_id;
   rpc::EncodeFrameHead(h, {}, buffer->data());
-  conn->c->Send(std::move(*buffer), [](absl::Status) {});
+  conn->c->Send(std::move(*buffer), transport::WithHandlerMemory([](absl::Status) {}));
 }
 
 void Channel::Impl::Connect(asio::any_completion_handler<void(boost::system::error_code)> handler) {
@@ -433,9 +436,9 @@ void Channel::Impl::EnterBackoff() {
 
 void Channel::Impl::Receive(std::shared_ptr<Conn> conn) {
   Connection* c = conn->c.get();
-  c->Receive([self = shared_from_this(), conn = std::move(conn)](absl::StatusOr<Message> m) {
+  c->Receive(transport::WithHandlerMemory([self = shared_from_this(), conn = std::move(conn)](absl::StatusOr<Message> m) {
     self->OnReceive(conn, std::move(m));
-  });
+  }));
 }
 
 void Channel::Impl::OnReceive(const std::shared_ptr<Conn>& conn, absl::StatusOr<Message> message) {

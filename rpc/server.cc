@@ -18,6 +18,7 @@
 #include "rpc/frame.h"
 #include "transport/common/log.h"
 #include "transport/completion.h"
+#include "transport/handler_memory.h"
 
 namespace rdmarpc {
 
@@ -240,9 +241,9 @@ void Server::Impl::Accept(transport::Listener* listener) {
 
 void Server::Impl::Receive(std::shared_ptr<Conn> conn) {
   Connection* c = conn->c.get();
-  c->Receive([self = shared_from_this(), conn = std::move(conn)](absl::StatusOr<Message> m) {
+  c->Receive(transport::WithHandlerMemory([self = shared_from_this(), conn = std::move(conn)](absl::StatusOr<Message> m) {
     self->OnReceive(conn, std::move(m));
-  });
+  }));
 }
 
 void Server::Impl::OnReceive(const std::shared_ptr<Conn>& conn, absl::StatusOr<Message> message) {
@@ -336,11 +337,12 @@ void Server::Impl::OnRequest(const std::shared_ptr<Conn>& conn, Message message,
     const auto deadline = now + std::chrono::microseconds(std::min<uint64_t>(f.header.timeout_us, uint64_t{1} << 40));
     raw->ctx.set_deadline(deadline);
     raw->deadline_timer.expires_at(deadline);
-    raw->deadline_timer.async_wait([self = shared_from_this(), raw, us = f.header.timeout_us](boost::system::error_code ec) {
-      if (ec || raw->answered) return;
-      Status answer = DeadlineExceededError(absl::StrCat("deadline of ", us, " us passed on the server"));
-      self->CancelCall(raw, StatusCode::kDeadlineExceeded, &answer);
-    });
+    raw->deadline_timer.async_wait(transport::WithHandlerMemory(
+        [self = shared_from_this(), raw, us = f.header.timeout_us](boost::system::error_code ec) {
+          if (ec || raw->answered) return;
+          Status answer = DeadlineExceededError(absl::StrCat("deadline of ", us, " us passed on the server"));
+          self->CancelCall(raw, StatusCode::kDeadlineExceeded, &answer);
+        }));
   }
   asio::co_spawn(ex_, entry.method->invoke(*raw->service, raw->ctx, *raw->request, *raw->response),
                  asio::bind_cancellation_slot(raw->cancel.slot(),
@@ -442,10 +444,10 @@ bool Server::Impl::TrySend(const std::shared_ptr<Conn>& conn, uint64_t call_id, 
     response->SerializeWithCachedSizesToArray(reinterpret_cast<uint8_t*>(out.data() + rpc::kFrameHeaderSize));
   else if (body > 0)
     std::memcpy(out.data() + rpc::kFrameHeaderSize, status.message().data(), body);
-  conn->c->Send(std::move(*buffer), [self = shared_from_this(), conn](absl::Status st) {
+  conn->c->Send(std::move(*buffer), transport::WithHandlerMemory([self = shared_from_this(), conn](absl::Status st) {
     if (!st.ok()) return self->CloseConn(conn, Status::FromAbsl(st));
     if (!conn->pending.empty()) self->PumpPending(conn);
-  });
+  }));
   return true;
 }
 
@@ -456,9 +458,10 @@ void Server::Impl::SendControl(const std::shared_ptr<Conn>& conn, rpc::FrameType
   rpc::FrameHeader h;
   h.type = type;
   rpc::EncodeFrameHead(h, {}, buffer->data());
-  conn->c->Send(std::move(*buffer), [self = shared_from_this(), conn, close_after](absl::Status) {
-    if (close_after) self->MaybeCloseDrained(conn);
-  });
+  conn->c->Send(std::move(*buffer),
+                transport::WithHandlerMemory([self = shared_from_this(), conn, close_after](absl::Status) {
+                  if (close_after) self->MaybeCloseDrained(conn);
+                }));
 }
 
 void Server::Impl::CloseConn(const std::shared_ptr<Conn>& conn, const Status& why) {

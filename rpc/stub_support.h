@@ -1,7 +1,10 @@
 // What generated stubs expand to: async_initiate over a ChannelInterface,
 // with a wrapper that parses the response on the channel's executor (where the
 // receive buffer must be released) and then hands (error_code, Resp) to the
-// user's handler on the handler's associated executor.
+// user's handler on the handler's associated executor (at once when that is
+// the executor already running). A handler without an associated allocator
+// gets rdmarpc's per-thread handler memory (transport/handler_memory.h), so a
+// steady stream of calls allocates nothing.
 #pragma once
 
 #include <memory>
@@ -17,6 +20,8 @@
 #include "rpc/call.h"
 #include "rpc/status.h"
 #include "rpc/stream.h"
+#include "transport/completion.h"
+#include "transport/handler_memory.h"
 
 namespace rdmarpc::internal {
 
@@ -34,8 +39,7 @@ class UnaryValueCompletion {
       ec = make_error_code(StatusCode::kInternal);
     }
     payload.Reset();
-    auto ex = asio::get_associated_executor(handler_, fallback_);
-    asio::dispatch(ex, asio::append(std::move(handler_), ec, std::move(response)));
+    transport::DispatchCompletion(fallback_, std::move(handler_), ec, std::move(response));
   }
 
   Handler handler_;
@@ -60,8 +64,7 @@ class UnaryIntoCompletion {
       ec = make_error_code(StatusCode::kInternal);
     }
     payload.Reset();
-    auto ex = asio::get_associated_executor(handler_, fallback_);
-    asio::dispatch(ex, asio::append(std::move(handler_), ec));
+    transport::DispatchCompletion(fallback_, std::move(handler_), ec);
   }
 
   Handler handler_;
@@ -78,8 +81,9 @@ auto AsyncUnary(std::shared_ptr<ChannelInterface> channel, ClientContext& ctx, c
   return asio::async_initiate<Token, void(boost::system::error_code, Resp)>(
       [](auto handler, std::shared_ptr<ChannelInterface> ch, ClientContext* c, const MethodInfo* m, const Req* r) {
         auto ex = ch->get_executor();
-        using H = std::decay_t<decltype(handler)>;
-        ch->StartCall(*c, *m, *r, CallHandler(UnaryValueCompletion<Resp, H>(std::move(handler), c, std::move(ex))));
+        auto h = transport::WithHandlerMemory(std::move(handler));
+        using H = decltype(h);
+        ch->StartCall(*c, *m, *r, CallHandler(UnaryValueCompletion<Resp, H>(std::move(h), c, std::move(ex))));
       },
       token, std::move(channel), &ctx, &method, &request);
 }
@@ -91,8 +95,9 @@ auto AsyncUnaryInto(std::shared_ptr<ChannelInterface> channel, ClientContext& ct
       [](auto handler, std::shared_ptr<ChannelInterface> ch, ClientContext* c, const MethodInfo* m, const Req* r,
          Resp* out) {
         auto ex = ch->get_executor();
-        using H = std::decay_t<decltype(handler)>;
-        ch->StartCall(*c, *m, *r, CallHandler(UnaryIntoCompletion<H>(std::move(handler), c, out, std::move(ex))));
+        auto h = transport::WithHandlerMemory(std::move(handler));
+        using H = decltype(h);
+        ch->StartCall(*c, *m, *r, CallHandler(UnaryIntoCompletion<H>(std::move(h), c, out, std::move(ex))));
       },
       token, std::move(channel), &ctx, &method, &request, &response);
 }
