@@ -17,16 +17,12 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "bench/alloc_hooks.h"
 
 namespace rdmarpc::bench {
 
 using Clock = std::chrono::steady_clock;
 
-// Heap allocations made by the whole process (malloc family, so operator new
-// too): counted by the hooks in rdmarpc_bench.cc.
-uint64_t AllocCount();
-// Prints the stack of the next `n` allocations to stderr (0: stop).
-void TraceNextAllocs(int n);
 
 enum class Mode { kClosed, kOpen };
 

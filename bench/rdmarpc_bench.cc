@@ -4,12 +4,9 @@
 // with its own event loop. Prints; asserts nothing. See `--help` and
 // docs/benchmarks.md.
 //
-// Allocations: this binary replaces malloc and friends with counting
-// wrappers around glibc's (so operator new is counted too), and reports heap
-// allocations per call over the measured phase, for the whole process.
-#include <execinfo.h>
-#include <unistd.h>
-
+// Allocations: linked with bench/alloc_hooks.cc, which counts every malloc
+// (so operator new too) in the process; rows report heap allocations per call
+// over the measured phase.
 #include <algorithm>
 #include <atomic>
 #include <cerrno>
@@ -38,78 +35,7 @@
 #include "rpc/channel.h"
 #include "rpc/server.h"
 
-// ---- counting allocator ----------------------------------------------------------
-// glibc exports its allocator under __libc_* names; the definitions below
-// interpose malloc & co. for the whole process (libstdc++'s operator new,
-// protobuf, gRPC, rdma-core all land here) and forward to glibc.
-extern "C" {
-void* __libc_malloc(size_t size);
-void* __libc_calloc(size_t n, size_t size);
-void* __libc_realloc(void* p, size_t size);
-void* __libc_memalign(size_t alignment, size_t size);
-void __libc_free(void* p);
-}
-
-namespace {
-
-std::atomic<uint64_t> g_allocs{0};
-std::atomic<int> g_trace_left{0};
-thread_local bool t_in_trace = false;
-
-inline void CountAlloc() {
-  g_allocs.fetch_add(1, std::memory_order_relaxed);
-  if (g_trace_left.load(std::memory_order_relaxed) <= 0 || t_in_trace) [[likely]]
-    return;
-  t_in_trace = true;  // backtrace() may allocate: do not trace that
-  if (g_trace_left.fetch_sub(1, std::memory_order_relaxed) > 0) {
-    void* frames[32];
-    const int n = backtrace(frames, 32);
-    static constexpr char kHead[] = "---- allocation in steady phase:\n";
-    (void)!write(STDERR_FILENO, kHead, sizeof kHead - 1);
-    backtrace_symbols_fd(frames + 2, n - 2, STDERR_FILENO);  // skip CountAlloc + malloc
-  }
-  t_in_trace = false;
-}
-
-}  // namespace
-
-extern "C" {
-void* malloc(size_t size) noexcept {
-  CountAlloc();
-  return __libc_malloc(size);
-}
-void* calloc(size_t n, size_t size) noexcept {
-  CountAlloc();
-  return __libc_calloc(n, size);
-}
-void* realloc(void* p, size_t size) noexcept {
-  CountAlloc();
-  return __libc_realloc(p, size);
-}
-void free(void* p) noexcept { __libc_free(p); }
-void* memalign(size_t alignment, size_t size) noexcept {
-  CountAlloc();
-  return __libc_memalign(alignment, size);
-}
-void* aligned_alloc(size_t alignment, size_t size) noexcept {
-  CountAlloc();
-  return __libc_memalign(alignment, size);
-}
-int posix_memalign(void** out, size_t alignment, size_t size) noexcept {
-  if (alignment < sizeof(void*) || (alignment & (alignment - 1)) != 0) return EINVAL;
-  CountAlloc();
-  void* p = __libc_memalign(alignment, size);
-  if (p == nullptr) return ENOMEM;
-  *out = p;
-  return 0;
-}
-}
-
 namespace rdmarpc::bench {
-
-uint64_t AllocCount() { return g_allocs.load(std::memory_order_relaxed); }
-void TraceNextAllocs(int n) { g_trace_left.store(n, std::memory_order_relaxed); }
-
 
 namespace {
 
@@ -339,10 +265,7 @@ void PrintCeilings(FILE* out, const std::vector<Row>& rows, const std::vector<Ce
 
 int main(int argc, char** argv) {
   using namespace rdmarpc::bench;
-  {
-    void* warm[2];
-    backtrace(warm, 2);  // loads libgcc_s now, not in the middle of a measurement
-  }
+  WarmAllocTracing();
   const Flags f = ParseFlags(argc, argv);
   std::vector<Row> rows;
   auto emit = [&](const Row& r) {
