@@ -87,6 +87,7 @@ class Server::Impl : public std::enable_shared_from_this<Impl> {
     asio::cancellation_signal cancel;
     asio::steady_timer deadline_timer;
     bool answered = false;
+    uint64_t generation = 0;  // bumped each time the object is recycled
   };
   struct Entry {
     Service* service;
@@ -133,6 +134,7 @@ class Server::Impl : public std::enable_shared_from_this<Impl> {
 };
 
 void Server::Impl::Recycle::operator()(Call* call) const {
+  ++call->generation;
   call->conn.reset();
   call->answered = false;
   call->ctx.Reset(nullptr);
@@ -337,11 +339,20 @@ void Server::Impl::OnRequest(const std::shared_ptr<Conn>& conn, Message message,
     const auto deadline = now + std::chrono::microseconds(std::min<uint64_t>(f.header.timeout_us, uint64_t{1} << 40));
     raw->ctx.set_deadline(deadline);
     raw->deadline_timer.expires_at(deadline);
+    // The expiry may already be queued when the handler finishes (cancel()
+    // cannot recall it), and by then `raw` may be recycled for another call or
+    // freed: the handler finds the call through its connection and checks the
+    // generation before touching it (found by tests/fuzz/server_fuzzer).
     raw->deadline_timer.async_wait(transport::WithHandlerMemory(
-        [self = shared_from_this(), raw, us = f.header.timeout_us](boost::system::error_code ec) {
-          if (ec || raw->answered) return;
+        [self = shared_from_this(), weak_conn = std::weak_ptr<Conn>(conn), id, gen = raw->generation,
+         us = f.header.timeout_us](boost::system::error_code ec) {
+          if (ec) return;
+          auto c = weak_conn.lock();
+          if (!c) return;
+          auto found = c->calls.find(id);
+          if (found == c->calls.end() || found->second->generation != gen || found->second->answered) return;
           Status answer = DeadlineExceededError(absl::StrCat("deadline of ", us, " us passed on the server"));
-          self->CancelCall(raw, StatusCode::kDeadlineExceeded, &answer);
+          self->CancelCall(found->second, StatusCode::kDeadlineExceeded, &answer);
         }));
   }
   asio::co_spawn(ex_, entry.method->invoke(*raw->service, raw->ctx, *raw->request, *raw->response),
@@ -435,7 +446,9 @@ bool Server::Impl::TrySend(const std::shared_ptr<Conn>& conn, uint64_t call_id, 
   }
   rpc::FrameHeader h;
   h.type = rpc::FrameType::kResponse;
-  h.status = status.code();
+  // A handler may return any integer as a code; the wire carries only the
+  // canonical ones (a peer rejects the frame otherwise and drops the connection).
+  h.status = static_cast<uint8_t>(status.code()) <= kMaxStatusCode ? status.code() : StatusCode::kUnknown;
   h.payload_length = static_cast<uint32_t>(body);
   h.call_id = call_id;
   std::span<std::byte> out = buffer->data();
