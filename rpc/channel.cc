@@ -169,6 +169,8 @@ bool Channel::Impl::Ref::live() const { return call->generation == generation &&
 Channel::Impl::Call* Channel::Impl::Acquire() {
   if (free_calls_.empty()) {
     all_calls_.push_back(std::make_unique<Call>(ex_));
+    // Room for every call to come back at once: Finish() never grows it.
+    free_calls_.reserve(all_calls_.capacity());
     free_calls_.push_back(all_calls_.back().get());
   }
   Call* c = free_calls_.back();
