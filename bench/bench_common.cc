@@ -27,9 +27,13 @@ constexpr char kUsage[] =
     "                     [--warmup=MS] [--duration=MS] [--device=NAME] [--ip=ADDR]\n"
     "                     [--poll=busy|adaptive|event] [--spin] [--json] [--no-progress]\n"
     "                     [--with-perftest] [--alloc-trace=N]\n"
+    "                     [--role=both|server|client] [--server=HOST] [--port=7470]\n"
     "\n"
     "An echo RPC (bench/protos/rdmarpc/bench/echo.proto) with server and client in this\n"
-    "process, each on its own thread and event loop. One row per transport x size x\n"
+    "process (--role=both, the default), each on its own thread and event loop; or on two\n"
+    "hosts: --role=server on one (rdma on --port, tcp on --port+1, grpc on --port+2, bound\n"
+    "to --ip if given; runs until Ctrl-C), --role=client --server=HOST on the other (server\n"
+    "CPU is then not measured). One row per transport x size x\n"
     "concurrency. Closed loop: N calls in flight, each reissued when it completes. Open loop:\n"
     "calls due at --rate per second over N slots, latency measured from the due time.\n"
     "CPU and allocations are those of the whole process (client and server share it).\n"
@@ -110,6 +114,16 @@ Flags ParseFlags(int argc, char** argv) {
       f.perftest = true;
     } else if (key == "--alloc-trace") {
       if (!absl::SimpleAtoi(val, &f.alloc_trace) || f.alloc_trace < 0) Usage("--alloc-trace takes a count");
+    } else if (key == "--role") {
+      if (val == "both") f.role = Role::kBoth;
+      else if (val == "server") f.role = Role::kServer;
+      else if (val == "client") f.role = Role::kClient;
+      else Usage("--role takes both, server or client");
+    } else if (key == "--server") {
+      if (val.empty()) Usage("--server takes the host running --role=server");
+      f.server = val;
+    } else if (key == "--port") {
+      if (!absl::SimpleAtoi(val, &f.port) || f.port < 1 || f.port > 65533) Usage("--port takes 1..65533");
     } else if (key == "--help" || key == "-h") {
       Usage("help");
     } else {
@@ -117,6 +131,11 @@ Flags ParseFlags(int argc, char** argv) {
     }
   }
   if (f.mode == Mode::kOpen && f.rate <= 0) Usage("--mode=open needs --rate");
+  if (f.role == Role::kClient && f.server.empty()) Usage("--role=client needs --server=HOST (where --role=server runs)");
+  if (f.role != Role::kClient && !f.server.empty()) Usage("--server is for --role=client");
+  if (f.role != Role::kBoth && f.perftest)
+    Usage("--with-perftest runs both perftest sides on this host: use it with --role=both, or run "
+          "ib_send_lat/ib_write_bw by hand on the two hosts");
   return f;
 }
 

@@ -13,10 +13,12 @@
 #include <chrono>
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <string>
 #include <vector>
 
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
 #include "bench/alloc_hooks.h"
 
 namespace rdmarpc::bench {
@@ -25,6 +27,14 @@ using Clock = std::chrono::steady_clock;
 
 
 enum class Mode { kClosed, kOpen };
+// both: server and client in this process (loopback). server/client: the two
+// halves on two hosts; the client connects to --server at fixed ports.
+enum class Role { kBoth, kServer, kClient };
+
+// --role=server listens, and --role=client connects, at --port + this.
+inline int PortOffset(const std::string& transport) {
+  return transport == "rdma" ? 0 : transport == "tcp" ? 1 : 2;
+}
 
 struct Flags {
   std::vector<std::string> transports = {"tcp"};
@@ -41,6 +51,9 @@ struct Flags {
   bool perftest = false;
   bool progress = true;
   int alloc_trace = 0;     // Print the stacks of this many steady-phase allocations per row.
+  Role role = Role::kBoth;
+  std::string server;      // --role=client: the host running --role=server.
+  int port = 7470;         // rdma on port, tcp on port+1, grpc on port+2 (two-host roles).
 };
 
 // Parses argv; prints usage and exits on a bad flag.
@@ -172,5 +185,16 @@ Ceiling RunPerftest(const Flags& flags, size_t size);
 
 // Every row of the gRPC echo (grpc_row.cc; only when built with gRPC).
 absl::Status RunGrpc(const Flags& flags, const std::function<void(const Row&)>& emit);
+
+// The gRPC echo server on its own completion-queue thread (grpc_row.cc),
+// listening on `address` ("host:port", port 0 picks one) with request slots
+// pre-posted for `slots` concurrent calls. Stops when destroyed.
+class GrpcServer {
+ public:
+  static absl::StatusOr<std::unique_ptr<GrpcServer>> Start(const std::string& address, int slots);
+  virtual ~GrpcServer() = default;
+  virtual const std::string& address() const = 0;  // with the port resolved
+  virtual CpuClock cpu() const = 0;
+};
 
 }  // namespace rdmarpc::bench

@@ -60,36 +60,73 @@ std::chrono::system_clock::time_point ToSystem(Clock::time_point t) {
          std::chrono::duration_cast<std::chrono::system_clock::duration>(t - Clock::now());
 }
 
+class GrpcServerImpl final : public GrpcServer {
+ public:
+  ~GrpcServerImpl() override {
+    server_->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(1));
+    cq_->Shutdown();
+    thread_.join();
+  }
+  const std::string& address() const override { return address_; }
+  CpuClock cpu() const override { return cpu_; }
+
+  static absl::StatusOr<std::unique_ptr<GrpcServer>> Start(const std::string& address, int slots) {
+    auto s = std::unique_ptr<GrpcServerImpl>(new GrpcServerImpl);
+    grpc::ServerBuilder builder;
+    int port = 0;
+    builder.AddListeningPort(address, grpc::InsecureServerCredentials(), &port);
+    builder.RegisterService(&s->service_);
+    builder.SetMaxReceiveMessageSize(-1);
+    builder.SetMaxSendMessageSize(-1);
+    s->cq_ = builder.AddCompletionQueue();
+    s->server_ = builder.BuildAndStart();
+    if (!s->server_ || port == 0) return absl::UnavailableError(absl::StrCat("gRPC server did not start on ", address));
+    s->address_ = absl::StrCat(address.substr(0, address.rfind(':')), ":", port);
+    for (int i = 0; i < slots + 4; ++i) new ServerCall(s->service_, *s->cq_);
+    s->thread_ = std::thread([raw = s.get()] { ServeLoop(raw->service_, *raw->cq_); });
+    s->cpu_ = CpuClock::Thread(s->thread_.native_handle());
+    return std::unique_ptr<GrpcServer>(std::move(s));
+  }
+
+ private:
+  GrpcServerImpl() = default;
+  EchoGrpc::AsyncService service_;
+  std::unique_ptr<grpc::ServerCompletionQueue> cq_;
+  std::unique_ptr<grpc::Server> server_;
+  std::thread thread_;
+  std::string address_;
+  CpuClock cpu_ = CpuClock::None();
+};
+
 }  // namespace
 
+absl::StatusOr<std::unique_ptr<GrpcServer>> GrpcServer::Start(const std::string& address, int slots) {
+  return GrpcServerImpl::Start(address, slots);
+}
+
 absl::Status RunGrpc(const Flags& f, const std::function<void(const Row&)>& emit) {
-  EchoGrpc::AsyncService service;
-  grpc::ServerBuilder builder;
-  int port = 0;
-  builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
-  builder.RegisterService(&service);
-  builder.SetMaxReceiveMessageSize(-1);
-  builder.SetMaxSendMessageSize(-1);
-  std::unique_ptr<grpc::ServerCompletionQueue> server_cq = builder.AddCompletionQueue();
-  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
-  if (!server || port == 0) return absl::UnavailableError("gRPC server did not start on 127.0.0.1");
   const int max_conc = *std::max_element(f.concurrency.begin(), f.concurrency.end());
-  for (int i = 0; i < max_conc + 4; ++i) new ServerCall(service, *server_cq);
-  std::thread server_thread([&] { ServeLoop(service, *server_cq); });
-  const CpuClock server_cpu = CpuClock::Thread(server_thread.native_handle());
-  auto stop_server = [&] {
-    server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(1));
-    server_cq->Shutdown();
-    server_thread.join();
-  };
+  std::unique_ptr<GrpcServer> server;
+  std::string target;
+  CpuClock server_cpu = CpuClock::None();
+  if (f.role == Role::kClient) {
+    target = absl::StrCat(f.server, ":", f.port + PortOffset("grpc"));
+  } else {
+    auto s = GrpcServer::Start("127.0.0.1:0", max_conc);
+    if (!s.ok()) return s.status();
+    server = std::move(*s);
+    target = server->address();
+    server_cpu = server->cpu();
+  }
+  auto stop_server = [&] { server.reset(); };
 
   grpc::ChannelArguments args;
   args.SetMaxReceiveMessageSize(-1);
   args.SetMaxSendMessageSize(-1);
-  auto channel = grpc::CreateCustomChannel(absl::StrCat("127.0.0.1:", port), grpc::InsecureChannelCredentials(), args);
+  auto channel = grpc::CreateCustomChannel(target, grpc::InsecureChannelCredentials(), args);
   if (!channel->WaitForConnected(std::chrono::system_clock::now() + std::chrono::seconds(10))) {
     stop_server();
-    return absl::UnavailableError(absl::StrCat("gRPC channel to 127.0.0.1:", port, " did not connect in 10 s"));
+    return absl::UnavailableError(absl::StrCat("gRPC channel to ", target, " did not connect in 10 s"));
   }
   auto stub = EchoGrpc::NewStub(channel);
   grpc::CompletionQueue cq;

@@ -7,6 +7,9 @@
 // Allocations: linked with bench/alloc_hooks.cc, which counts every malloc
 // (so operator new too) in the process; rows report heap allocations per call
 // over the measured phase.
+#include <pthread.h>
+#include <signal.h>
+
 #include <algorithm>
 #include <atomic>
 #include <cerrno>
@@ -95,49 +98,126 @@ TransportOptions MakeOptions(const Flags& f, const std::shared_ptr<rdma::RdmaCon
   return o;
 }
 
-// All rows of one rdmarpc transport ("rdma" or "tcp"): one server and one
-// channel (one connection) for every size and concurrency.
+// The echo server of one transport, on its own thread and event loop
+// (--role=both runs it next to the client; --role=server runs only these).
+class LocalServer {
+ public:
+  absl::Status Start(const Flags& f, const std::string& listen_uri, const TransportOptions& options) {
+    ServerOptions so;
+    so.listen = {listen_uri};
+    so.transport = options;
+    server_ = std::make_unique<Server>(io_.get_executor(), so);
+    if (auto st = server_->AddService(service_); !st.ok()) return absl::InternalError(st.ToString());
+    if (auto st = server_->Start(); !st.ok()) return absl::UnavailableError(st.ToString());
+    uri_ = server_->local_uris().at(0);
+    thread_ = std::thread([this, spin = f.spin] {
+      if (!spin) return (void)io_.run();
+      while (!stop_.load(std::memory_order_relaxed)) {
+        io_.poll();
+        if (io_.stopped()) io_.restart();
+      }
+    });
+    cpu_ = CpuClock::Thread(thread_.native_handle());
+    return absl::OkStatus();
+  }
+  void Stop() {
+    if (!thread_.joinable()) return;
+    asio::post(io_, [this] { server_.reset(); });
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    work_.reset();
+    stop_ = true;
+    io_.stop();
+    thread_.join();
+  }
+  ~LocalServer() { Stop(); }
+  const std::string& uri() const { return uri_; }
+  const CpuClock& cpu() const { return cpu_; }
+
+ private:
+  asio::io_context io_;
+  asio::executor_work_guard<asio::io_context::executor_type> work_ = asio::make_work_guard(io_);
+  EchoService service_;
+  std::unique_ptr<Server> server_;
+  std::string uri_;
+  std::atomic<bool> stop_{false};
+  std::thread thread_;
+  CpuClock cpu_ = CpuClock::None();
+};
+
+absl::StatusOr<std::shared_ptr<rdma::RdmaContext>> OpenDevice(const Flags& f) {
+  if (f.ip.empty() && f.role != Role::kClient)
+    return absl::InvalidArgumentError("rdma needs --ip (an address on the RDMA device's netdev), or run inside tools/rxe-vm");
+  return rdma::RdmaContext::Open({.name = f.device});
+}
+
+// --role=server: echo servers for every transport asked for, on fixed ports
+// (rdma --port, tcp --port+1, grpc --port+2), until SIGINT or SIGTERM.
+absl::Status ServeForever(const Flags& f) {
+  std::vector<std::unique_ptr<LocalServer>> servers;
+  for (const auto& t : f.transports) {
+    if (t == "grpc") continue;
+    std::shared_ptr<rdma::RdmaContext> ctx;
+    if (t == "rdma") {
+      auto c = OpenDevice(f);
+      if (!c.ok()) return c.status();
+      ctx = *c;
+    }
+    const std::string host = !f.ip.empty() ? f.ip : "0.0.0.0";
+    auto s = std::make_unique<LocalServer>();
+    if (auto st = s->Start(f, absl::StrCat(t, "://", host, ":", f.port + PortOffset(t)), MakeOptions(f, ctx)); !st.ok())
+      return st;
+    std::printf("rdmarpc_bench: serving %s\n", s->uri().c_str());
+    servers.push_back(std::move(s));
+  }
+#if RDMARPC_BENCH_HAVE_GRPC
+  std::unique_ptr<GrpcServer> grpc;
+  if (std::find(f.transports.begin(), f.transports.end(), "grpc") != f.transports.end()) {
+    auto g = GrpcServer::Start(absl::StrCat(!f.ip.empty() ? f.ip : "0.0.0.0", ":", f.port + PortOffset("grpc")), 64);
+    if (!g.ok()) return g.status();
+    grpc = std::move(*g);
+    std::printf("rdmarpc_bench: serving grpc://%s\n", grpc->address().c_str());
+  }
+#endif
+  std::printf("rdmarpc_bench: server ready; run the client with --role=client --server=<this host> --port=%d "
+              "(Ctrl-C stops)\n", f.port);
+  std::fflush(stdout);
+  sigset_t set;
+  sigemptyset(&set);
+  sigaddset(&set, SIGINT);
+  sigaddset(&set, SIGTERM);
+  int sig = 0;
+  sigwait(&set, &sig);
+  std::printf("rdmarpc_bench: signal %d, stopping\n", sig);
+  for (auto& s : servers) s->Stop();
+  return absl::OkStatus();
+}
+
+// All rows of one rdmarpc transport ("rdma" or "tcp"): one server (unless
+// --role=client: the one at --server) and one channel (one connection) for
+// every size and concurrency.
 absl::Status RunRdmarpc(const Flags& f, const std::string& transport, const std::function<void(const Row&)>& emit) {
   std::shared_ptr<rdma::RdmaContext> ctx;
   std::string host = "127.0.0.1";
   if (transport == "rdma") {
-    if (f.ip.empty())
-      return absl::InvalidArgumentError("rdma needs --ip (an address on the RDMA device's netdev), or run inside tools/rxe-vm");
-    auto c = rdma::RdmaContext::Open({.name = f.device});
+    auto c = OpenDevice(f);
     if (!c.ok()) return c.status();
     ctx = *c;
     host = f.ip;
   }
   const TransportOptions options = MakeOptions(f, ctx);
 
-  asio::io_context server_io, client_io;
-  EchoService service;
-  ServerOptions so;
-  so.listen = {absl::StrCat(transport, "://", host, ":0")};
-  so.transport = options;
-  auto server = std::make_unique<Server>(server_io.get_executor(), so);
-  if (auto st = server->AddService(service); !st.ok()) return absl::InternalError(st.ToString());
-  if (auto st = server->Start(); !st.ok()) return absl::UnavailableError(st.ToString());
-  const std::string uri = server->local_uris().at(0);
-
-  auto work = asio::make_work_guard(server_io);
-  std::atomic<bool> stop_server{false};
-  std::thread server_thread([&] {
-    if (!f.spin) return (void)server_io.run();
-    while (!stop_server.load(std::memory_order_relaxed)) {
-      server_io.poll();
-      if (server_io.stopped()) server_io.restart();
-    }
-  });
-  const CpuClock server_cpu = CpuClock::Thread(server_thread.native_handle());
-  auto finish_server = [&] {
-    asio::post(server_io, [&] { server.reset(); });
-    std::this_thread::sleep_for(std::chrono::milliseconds(100));
-    work.reset();
-    stop_server = true;
-    server_io.stop();
-    server_thread.join();
-  };
+  asio::io_context client_io;
+  LocalServer local;
+  std::string uri;
+  CpuClock server_cpu = CpuClock::None();
+  if (f.role == Role::kClient) {
+    uri = absl::StrCat(transport, "://", f.server, ":", f.port + PortOffset(transport));
+  } else {
+    if (auto st = local.Start(f, absl::StrCat(transport, "://", host, ":0"), options); !st.ok()) return st;
+    uri = local.uri();
+    server_cpu = local.cpu();
+  }
+  auto finish_server = [&] { local.Stop(); };
 
   ChannelOptions co;
   co.transport = options;
@@ -267,6 +347,20 @@ int main(int argc, char** argv) {
   using namespace rdmarpc::bench;
   WarmAllocTracing();
   const Flags f = ParseFlags(argc, argv);
+  if (f.role == Role::kServer) {
+    // Blocked before any thread starts, so every thread inherits the mask and
+    // sigwait() in ServeForever receives them.
+    sigset_t set;
+    sigemptyset(&set);
+    sigaddset(&set, SIGINT);
+    sigaddset(&set, SIGTERM);
+    pthread_sigmask(SIG_BLOCK, &set, nullptr);
+    if (auto st = ServeForever(f); !st.ok()) {
+      std::fprintf(stderr, "rdmarpc_bench: %s\n", st.ToString().c_str());
+      return 1;
+    }
+    return 0;
+  }
   std::vector<Row> rows;
   auto emit = [&](const Row& r) {
     rows.push_back(r);
