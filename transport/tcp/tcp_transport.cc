@@ -384,6 +384,8 @@ class ConnectionCore final : public std::enable_shared_from_this<ConnectionCore>
   // weakly: Asio keeps a slot's handler installed until the slot is reused,
   // which may be after the connection is gone.
   struct ReceiveCanceller {
+    // Spelled out: clang before 16 has no parenthesised aggregate init (emplace()).
+    ReceiveCanceller(std::weak_ptr<ConnectionCore> c, uint64_t i) : core(std::move(c)), id(i) {}
     std::weak_ptr<ConnectionCore> core;
     uint64_t id;
     void operator()(asio::cancellation_type type) const {
