@@ -154,10 +154,14 @@ TEST(AllocCounter, SeesAnAllocation) {
 }
 
 #if defined(RDMARPC_ALLOC_TEST_RDMA)
+// Eager sizes only: a rendezvous transfer (above the eager limit) still
+// allocates and registers its buffer per message, so that the peer's grant
+// dies with the MR when the transfer completes (issue 4/8: pool slabs with
+// type-2 memory windows would keep that guarantee without the allocation).
 INSTANTIATE_TEST_SUITE_P(Rdma, AllocTest,
                          ::testing::Values(Shape{"rdma_64B_c1", "rdma", 1, false, 64},
                                            Shape{"rdma_64B_c8_deadline", "rdma", 8, true, 64},
-                                           Shape{"rdma_64KiB_c1", "rdma", 1, false, 65536}),
+                                           Shape{"rdma_4KiB_c1", "rdma", 1, false, 4096}),
                          ShapeName);
 #else
 INSTANTIATE_TEST_SUITE_P(Tcp, AllocTest,

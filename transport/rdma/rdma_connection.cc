@@ -5,8 +5,6 @@
 
 #include <algorithm>
 #include <cstring>
-#include <deque>
-#include <list>
 #include <map>
 
 #include <boost/asio/co_spawn.hpp>
@@ -16,6 +14,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "transport/common/log.h"
+#include "transport/common/fifo.h"
 #include "transport/completion.h"
 #include "transport/rdma/credits.h"
 #include "transport/rdma/poller.h"
@@ -620,7 +619,9 @@ class RdmaConnectionImpl final : public std::enable_shared_from_this<RdmaConnect
 
   // Hands ready messages, in arrival order, to waiting receivers.
   void Deliver() {
-    while (!ready_.empty() && !receivers_.empty()) {
+    for (;;) {
+      while (!receivers_.empty() && !receivers_.front().handler) receivers_.pop_front();  // cancelled
+      if (ready_.empty() || receivers_.empty()) break;
       ReadyEntry e = ready_.front();
       Message msg;
       if (e.large) {
@@ -640,10 +641,10 @@ class RdmaConnectionImpl final : public std::enable_shared_from_this<RdmaConnect
   }
 
   void CancelReceive(uint64_t id) {
-    for (auto it = receivers_.begin(); it != receivers_.end(); ++it) {
-      if (it->id != id) continue;
-      ReceiveHandler h = std::move(it->handler);
-      receivers_.erase(it);
+    for (size_t i = 0; i < receivers_.size(); ++i) {
+      PendingReceive& r = receivers_[i];
+      if (r.id != id || !r.handler) continue;
+      ReceiveHandler h = std::move(r.handler);  // the entry stays, empty: Deliver() drops it
       CompleteReceive(std::move(h), absl::CancelledError("receive cancelled"));
       return;
     }
@@ -653,6 +654,7 @@ class RdmaConnectionImpl final : public std::enable_shared_from_this<RdmaConnect
 
   // A batch of completions, in CQ order (poller.h). Executor only.
   void OnCompletions(std::span<const ibv_wc> wcs) {
+    in_completions_ = true;
     for (const ibv_wc& wc : wcs) {
       ++stats_.wr_completed;
       if (wc.status != IBV_WC_SUCCESS) {
@@ -674,7 +676,7 @@ class RdmaConnectionImpl final : public std::enable_shared_from_this<RdmaConnect
           sq_used_ -= WrCovered(wc.wr_id);
           const uint32_t slot = static_cast<uint32_t>(WrIndex(wc.wr_id));
           free_send_slots_.push_back(slot);
-          if (slot_handlers_[slot]) transport::PostCompletion(ex_, std::move(slot_handlers_[slot]), absl::OkStatus());
+          if (slot_handlers_[slot]) done_sends_.push_back(std::move(slot_handlers_[slot]));
           break;
         }
         case kWrWrite: {
@@ -683,7 +685,7 @@ class RdmaConnectionImpl final : public std::enable_shared_from_this<RdmaConnect
           if (it != large_out_.end()) {
             SendHandler h = std::move(it->second.handler);
             large_out_.erase(it);
-            transport::PostCompletion(ex_, std::move(h), absl::OkStatus());
+            if (h) done_sends_.push_back(std::move(h));
           }
           break;
         }
@@ -692,6 +694,27 @@ class RdmaConnectionImpl final : public std::enable_shared_from_this<RdmaConnect
     // Once per batch, after every credit, SQ slot and RECV of the batch is
     // accounted: queued frames go out, and one frame carries all owed credits.
     if (error_.ok()) Pump();
+    in_completions_ = false;
+    FlushCompletions();
+  }
+
+  // The batch's completions, run at once (this is a CQ event handler, not the
+  // call that started the operations), after the batch's bookkeeping: a
+  // handler that sends, receives or closes sees a consistent connection.
+  // Kept alive meanwhile: a handler may drop the last outside reference.
+  void FlushCompletions() {
+    if (done_sends_.empty() && done_receives_.empty()) return;
+    auto self = shared_from_this();
+    while (!done_sends_.empty()) {
+      SendHandler h = std::move(done_sends_.front());
+      done_sends_.pop_front();
+      transport::DispatchCompletion(ex_, std::move(h), absl::OkStatus());
+    }
+    while (!done_receives_.empty()) {
+      DoneReceive d = std::move(done_receives_.front());
+      done_receives_.pop_front();
+      transport::DispatchCompletion(ex_, std::move(d.handler), absl::StatusOr<Message>(std::move(d.message)));
+    }
   }
 
   // ---- failure and close -------------------------------------------------------
@@ -707,8 +730,8 @@ class RdmaConnectionImpl final : public std::enable_shared_from_this<RdmaConnect
       if (h) transport::PostCompletion(ex_, std::move(h), error_);
     for (auto& [id, lo] : large_out_)
       if (lo.handler) transport::PostCompletion(ex_, std::move(lo.handler), error_);
-    for (auto& op : pending_)
-      if (op.handler) transport::PostCompletion(ex_, std::move(op.handler), error_);
+    for (size_t i = 0; i < pending_.size(); ++i)
+      if (pending_[i].handler) transport::PostCompletion(ex_, std::move(pending_[i].handler), error_);
     pending_.clear();
     control_.clear();
     grants_.clear();
@@ -722,7 +745,7 @@ class RdmaConnectionImpl final : public std::enable_shared_from_this<RdmaConnect
     while (!receivers_.empty()) {
       ReceiveHandler h = std::move(receivers_.front().handler);
       receivers_.pop_front();
-      CompleteReceive(std::move(h), error_);
+      if (h) CompleteReceive(std::move(h), error_);
     }
   }
 
@@ -731,6 +754,10 @@ class RdmaConnectionImpl final : public std::enable_shared_from_this<RdmaConnect
   void CompleteReceive(ReceiveHandler h, absl::StatusOr<Message> result) {
     auto slot = asio::get_associated_cancellation_slot(h);
     if (slot.is_connected()) slot.clear();
+    if (in_completions_ && result.ok()) {
+      done_receives_.push_back({std::move(h), std::move(*result)});
+      return;
+    }
     transport::PostCompletion(ex_, std::move(h), std::move(result));
   }
 
@@ -779,15 +806,25 @@ class RdmaConnectionImpl final : public std::enable_shared_from_this<RdmaConnect
   bool waiting_for_credit_ = false;
   std::vector<uint32_t> free_send_slots_;
   std::vector<SendHandler> slot_handlers_;  // By send slot: whom to tell when its SEND completes.
-  std::deque<PendingOp> pending_;  // DATA and RTS, in message order.
-  std::deque<PendingOp> control_;  // CTS and WRITE: rendezvous progress, first.
+  transport::Fifo<PendingOp> pending_;  // DATA and RTS, in message order.
+  transport::Fifo<PendingOp> control_;  // CTS and WRITE: rendezvous progress, first.
   std::map<uint64_t, LargeOut> large_out_;
   std::map<uint64_t, LargeIn> large_in_;
   std::map<uint32_t, uint64_t> grants_;  // Live grant id -> large_in_ key.
   uint64_t next_large_out_ = 1, next_large_in_ = 1;
   uint32_t next_grant_id_ = 1;
-  std::deque<ReadyEntry> ready_;
-  std::list<PendingReceive> receivers_;  // list: erase must not move-assign handlers.
+  transport::Fifo<ReadyEntry> ready_;
+  // A cancelled receive leaves its entry behind with an empty handler (the
+  // Fifo never move-assigns handlers); Deliver() skips such entries.
+  transport::Fifo<PendingReceive> receivers_;
+  // Completions found while handling a CQ batch, run at its end (FlushCompletions).
+  struct DoneReceive {
+    ReceiveHandler handler;
+    Message message;
+  };
+  bool in_completions_ = false;
+  transport::Fifo<SendHandler> done_sends_;
+  transport::Fifo<DoneReceive> done_receives_;
   uint64_t next_receive_id_ = 1;
   absl::Status error_;
   bool closed_by_user_ = false;

@@ -28,6 +28,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "transport/common/log.h"
+#include "transport/common/fifo.h"
 #include "transport/completion.h"
 #include "transport/uri.h"
 
@@ -221,44 +222,6 @@ class BufferPool final : public BufferOwner {
   std::vector<Slot> slots_;      // Index = token.
   std::vector<uint32_t> kept_;   // Free slots holding memory.
   std::vector<uint32_t> empty_;  // Free slots without memory.
-};
-
-// ---- a FIFO that does not allocate once warm ----------------------------------
-
-// Elements are only move-constructed and destroyed, never move-assigned: in
-// Asio 1.81 any_completion_handler's move assignment wraps the source instead
-// of moving it (fixed in 1.82). Unlike std::deque, which frees and allocates
-// blocks as a FIFO walks through it, push/pop never allocate after warm-up.
-template <typename T>
-class Fifo {
- public:
-  bool empty() const { return size_ == 0; }
-  size_t size() const { return size_; }
-  T& front() { return *slots_[head_]; }
-  T& operator[](size_t i) { return *slots_[(head_ + i) % slots_.size()]; }
-
-  void push_back(T&& value) {
-    if (size_ == slots_.size()) Grow();
-    slots_[(head_ + size_) % slots_.size()].emplace(std::move(value));
-    ++size_;
-  }
-  void pop_front() {
-    slots_[head_].reset();
-    head_ = (head_ + 1) % slots_.size();
-    --size_;
-  }
-
- private:
-  void Grow() {
-    std::vector<std::optional<T>> bigger(std::max<size_t>(8, slots_.size() * 2));
-    for (size_t i = 0; i < size_; ++i) bigger[i].emplace(std::move((*this)[i]));
-    slots_.swap(bigger);
-    head_ = 0;
-  }
-
-  std::vector<std::optional<T>> slots_;
-  size_t head_ = 0;
-  size_t size_ = 0;
 };
 
 // ---- one connection ------------------------------------------------------------
