@@ -388,13 +388,13 @@ Ceiling RunPerftest(const Flags& flags, size_t size) {
   // Fewer iterations for large messages: 1 MiB takes ~100 ms per message under emulation.
   const std::string n = size >= 65536 ? " -n 100" : " -n 1000";
   // ib_send_lat columns: #bytes #iterations t_min t_max t_typical t_avg t_stdev 99% 99.9%
-  auto lat = perftest::TableLine(perftest::RunPair("ib_send_lat -F" + n + s, "ib_send_lat -F" + n + s + " " + flags.ip), size);
+  auto lat = perftest::Measure("ib_send_lat -F" + n + s, "ib_send_lat -F" + n + s + " " + flags.ip, size);
   if (lat.size() >= 7) {
     c.rtt_p50_us = 2 * lat[3];  // one-way x 2 = round trip
     c.rtt_p99_us = 2 * lat[6];
   }
   // ib_write_bw columns: #bytes #iterations BW_peak BW_average MsgRate (MB/s = 2^20 B/s)
-  auto bw = perftest::TableLine(perftest::RunPair("ib_write_bw -F -n 100" + s, "ib_write_bw -F -n 100" + s + " " + flags.ip), size);
+  auto bw = perftest::Measure("ib_write_bw -F -n 100" + s, "ib_write_bw -F -n 100" + s + " " + flags.ip, size);
   if (bw.size() >= 3) c.bw_gbps = bw[2] * 1048576.0 * 8 / 1e9;
   return c;
 }

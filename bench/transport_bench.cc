@@ -328,13 +328,13 @@ int main(int argc, char** argv) {
       // Fewer iterations for big messages: under emulation 1 MiB takes ~100 ms.
       const std::string n = size >= 65536 ? " -n 100" : " -n 1000";
       const std::string s = " -s " + std::to_string(size) + d;
-      auto lat = perftest::TableLine(perftest::RunPair("ib_send_lat -F" + n + s, "ib_send_lat -F" + n + s + " " + f.ip), size);
+      auto lat = perftest::Measure("ib_send_lat -F" + n + s, "ib_send_lat -F" + n + s + " " + f.ip, size);
       // Columns: #iterations t_min t_max t_typical t_avg t_stdev 99% 99.9%
       if (lat.size() >= 7) {
         r.p50 = 2 * lat[3];
         r.p99 = 2 * lat[6];
       }
-      auto bw = perftest::TableLine(perftest::RunPair("ib_write_bw -F -n 100" + s, "ib_write_bw -F -n 100" + s + " " + f.ip), size);
+      auto bw = perftest::Measure("ib_write_bw -F -n 100" + s, "ib_write_bw -F -n 100" + s + " " + f.ip, size);
       // Columns: #iterations BW_peak BW_average MsgRate (MB/s = 2^20 bytes)
       if (bw.size() >= 3) r.gbps = bw[2] * 1048576.0 * 8 / 1e9;
       ceiling.push_back(r);
