@@ -3,6 +3,9 @@
 #include <boost/asio/bind_cancellation_slot.hpp>
 #include <boost/asio/cancellation_signal.hpp>
 #include <boost/asio/co_spawn.hpp>
+#include <boost/asio/detached.hpp>
+#include <boost/asio/this_coro.hpp>
+#include <boost/asio/use_awaitable.hpp>
 #include <boost/asio/dispatch.hpp>
 #include <boost/asio/io_context.hpp>
 #include <boost/asio/post.hpp>
@@ -10,6 +13,7 @@
 #include <boost/system/system_error.hpp>
 
 #include <deque>
+#include <optional>
 
 #include "absl/container/flat_hash_map.h"
 #include "absl/strings/str_cat.h"
@@ -30,6 +34,13 @@ class Server::Impl : public std::enable_shared_from_this<Impl> {
  public:
   Impl(asio::any_io_executor ex, ServerOptions options)
       : ex_(std::move(ex)), options_(std::move(options)), grace_timer_(ex_) {}
+  // Parked workers hold no reference to the server; destroying their resume
+  // handlers unwinds their coroutines (through the executor, as Asio does).
+  ~Impl() { ReleaseIdleWorkers(); }
+  void ReleaseIdleWorkers() {
+    for (auto& w : idle_workers_) w->resume.reset();
+    idle_workers_.clear();
+  }
 
   Status AddService(Service& service);
   Status Start();
@@ -43,6 +54,15 @@ class Server::Impl : public std::enable_shared_from_this<Impl> {
 
  private:
   struct Call;
+  // Runs handlers one call after another. Handing a call to a parked worker
+  // resumes it inline: a handler that completes without suspending costs no
+  // co_spawn (no entry-point frame, no post, no new cancellation state). A
+  // handler that suspends keeps its worker; the next call finds another, or a
+  // new one is spawned. Parked workers are reused most-recent first.
+  struct Worker {
+    asio::cancellation_signal cancel;  // the worker's co_spawn slot: CancelCall emits here
+    std::optional<asio::any_completion_handler<void(Call*)>> resume;  // set while parked
+  };
   // Finished calls go back to a per-method free list with their request and
   // response messages, so a steady stream of calls reuses objects (and the
   // messages' string capacity) instead of allocating them. Shared with the
@@ -84,7 +104,7 @@ class Server::Impl : public std::enable_shared_from_this<Impl> {
     std::unique_ptr<MessageLite> request;
     std::unique_ptr<MessageLite> response;
     ServerContext ctx;
-    asio::cancellation_signal cancel;
+    Worker* worker = nullptr;  // running this call's handler
     asio::steady_timer deadline_timer;
     bool answered = false;
     uint64_t generation = 0;  // bumped each time the object is recycled
@@ -100,6 +120,8 @@ class Server::Impl : public std::enable_shared_from_this<Impl> {
   void OnReceive(const std::shared_ptr<Conn>& conn, absl::StatusOr<Message> message);
   void OnRequest(const std::shared_ptr<Conn>& conn, Message message, const rpc::DecodedFrame& f);
   void OnHandlerDone(Call* call, std::exception_ptr error, Status status);
+  void RunHandler(Call* call);
+  static asio::awaitable<void> WorkerLoop(std::weak_ptr<Impl> weak, std::shared_ptr<Worker> worker, Call* first);
   void CancelCall(Call* call, StatusCode reason, const Status* answer);
   // Queues the response behind earlier ones that wait for send space; `call`
   // (may be null) owns `response` and is freed once the response is sent.
@@ -122,6 +144,7 @@ class Server::Impl : public std::enable_shared_from_this<Impl> {
   std::vector<std::string> uris_;
   std::vector<std::shared_ptr<Conn>> conns_;
   std::shared_ptr<CallPool> pool_ = std::make_shared<CallPool>();
+  std::vector<std::shared_ptr<Worker>> idle_workers_;
   bool started_ = false;
   bool shutting_down_ = false;
   bool stopped_ = false;
@@ -355,11 +378,54 @@ void Server::Impl::OnRequest(const std::shared_ptr<Conn>& conn, Message message,
           self->CancelCall(found->second, StatusCode::kDeadlineExceeded, &answer);
         }));
   }
-  asio::co_spawn(ex_, entry.method->invoke(*raw->service, raw->ctx, *raw->request, *raw->response),
-                 asio::bind_cancellation_slot(raw->cancel.slot(),
-                                              [self = shared_from_this(), raw](std::exception_ptr e, Status st) {
-                                                self->OnHandlerDone(raw, e, std::move(st));
-                                              }));
+  RunHandler(raw);
+}
+
+void Server::Impl::RunHandler(Call* call) {
+  if (!idle_workers_.empty()) {
+    std::shared_ptr<Worker> w = std::move(idle_workers_.back());
+    idle_workers_.pop_back();
+    call->worker = w.get();
+    asio::any_completion_handler<void(Call*)> resume(std::move(*w->resume));
+    w->resume.reset();
+    std::move(resume)(call);  // runs the handler here until it finishes or suspends
+    return;
+  }
+  auto w = std::make_shared<Worker>();
+  call->worker = w.get();
+  asio::co_spawn(ex_, WorkerLoop(weak_from_this(), w, call), asio::bind_cancellation_slot(w->cancel.slot(), asio::detached));
+}
+
+asio::awaitable<void> Server::Impl::WorkerLoop(std::weak_ptr<Impl> weak, std::shared_ptr<Worker> worker, Call* call) {
+  for (;;) {
+    {
+      // Alive: it just handed us `call`; held while the handler runs (as a
+      // co_spawn completion handler would hold it).
+      std::shared_ptr<Impl> self = weak.lock();
+      if (!self) co_return;
+      std::exception_ptr error;
+      Status status;
+      try {
+        status = co_await call->method->invoke(*call->service, call->ctx, *call->request, *call->response);
+      } catch (...) {
+        error = std::current_exception();
+      }
+      self->OnHandlerDone(call, error, std::move(status));
+      // A cancelled call leaves the worker's cancellation state tripped; the
+      // next call starts clean.
+      if ((co_await asio::this_coro::cancellation_state).cancelled() != asio::cancellation_type::none)
+        co_await asio::this_coro::reset_cancellation_state();
+      if (self->stopped_) co_return;
+      self->idle_workers_.push_back(worker);
+    }
+    // The server may have gone with the last reference above: then nobody
+    // would ever resume or destroy a parked worker.
+    if (weak.expired()) co_return;
+    call = co_await asio::async_initiate<const asio::use_awaitable_t<>&, void(Call*)>(
+        [w = worker.get()](auto handler) { w->resume.emplace(transport::WithHandlerMemory(std::move(handler))); },
+        asio::use_awaitable);
+    if (call == nullptr) co_return;
+  }
 }
 
 void Server::Impl::CancelCall(Call* call, StatusCode reason, const Status* answer) {
@@ -370,13 +436,13 @@ void Server::Impl::CancelCall(Call* call, StatusCode reason, const Status* answe
     call->answered = true;
     if (answer != nullptr) Respond(call->conn, call->id, *answer, nullptr);
   }
-  call->cancel.emit(asio::cancellation_type::terminal);
+  if (call->worker != nullptr) call->worker->cancel.emit(asio::cancellation_type::terminal);
 }
 
 void Server::Impl::OnHandlerDone(Call* raw, std::exception_ptr error, Status status) {
   CallPtr call(raw, Recycle{pool_});
   call->deadline_timer.cancel();
-  call->cancel.slot().clear();
+  call->worker = nullptr;
   auto conn = call->conn;
   const uint64_t id = call->id;
   conn->calls.erase(id);
@@ -541,6 +607,7 @@ void Server::Impl::Stop() {
   for (auto& l : listeners_) l->Close();
   if (admin_) admin_->Close();
   for (auto conn : std::vector(conns_)) CloseConn(conn, UnavailableError("server stopped"));
+  ReleaseIdleWorkers();
 }
 
 std::string Server::Impl::ServiceNames() const {
