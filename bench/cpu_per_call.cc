@@ -384,6 +384,7 @@ absl::StatusOr<Row> RunUnderCallgrind(const Options& o, const std::string& self,
                                    "--tool=callgrind",
                                    "--instr-atstart=no",
                                    "--quiet",
+                                   "--vgdb=no",  // its FIFO in /tmp fails on the VM's 9p root
                                    absl::StrCat("--callgrind-out-file=", out),
                                    self,
                                    "--child",

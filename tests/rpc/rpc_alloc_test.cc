@@ -161,12 +161,14 @@ TEST(AllocCounter, SeesAnAllocation) {
 INSTANTIATE_TEST_SUITE_P(Rdma, AllocTest,
                          ::testing::Values(Shape{"rdma_64B_c1", "rdma", 1, false, 64},
                                            Shape{"rdma_64B_c8_deadline", "rdma", 8, true, 64},
+                                           Shape{"rdma_64B_c32", "rdma", 32, false, 64},
                                            Shape{"rdma_4KiB_c1", "rdma", 1, false, 4096}),
                          ShapeName);
 #else
 INSTANTIATE_TEST_SUITE_P(Tcp, AllocTest,
                          ::testing::Values(Shape{"tcp_64B_c1", "tcp", 1, false, 64},
                                            Shape{"tcp_64B_c8_deadline", "tcp", 8, true, 64},
+                                           Shape{"tcp_64B_c32", "tcp", 32, false, 64},
                                            Shape{"tcp_64KiB_c1", "tcp", 1, false, 65536}),
                          ShapeName);
 #endif
