@@ -383,7 +383,13 @@ void Channel::Impl::OnConnected(absl::StatusOr<std::unique_ptr<Connection>> resu
   }
   if (!result.ok()) {
     ++stats_.connect_failures;
-    last_error_ = UnavailableError(absl::StrCat("cannot connect to ", target_, ": ", result.status().message()));
+    // A refusal for a reason the caller must act on keeps its code (a wrong
+    // auth token is UNAUTHENTICATED, not a transient UNAVAILABLE).
+    const auto code = result.status().code();
+    const StatusCode kept = code == absl::StatusCode::kUnauthenticated    ? StatusCode::kUnauthenticated
+                            : code == absl::StatusCode::kPermissionDenied ? StatusCode::kPermissionDenied
+                                                                          : StatusCode::kUnavailable;
+    last_error_ = Status(kept, absl::StrCat("cannot connect to ", target_, ": ", result.status().message()));
     RDMARPC_LOG(kWarn, "channel", "event=connect_failed target=", target_, " error=\"", result.status().ToString(),
                 "\" backoff_ms=", backoff_.count());
     EnterBackoff();

@@ -4,6 +4,21 @@
 #include "transport/completion.h"
 
 namespace rdmarpc {
+namespace {
+
+// The per-transport options with TransportOptions-level settings applied.
+transport::tcp::TcpOptions TcpFor(const TransportOptions& options) {
+  transport::tcp::TcpOptions tcp = options.tcp;
+  if (!options.auth_token.empty()) tcp.auth_token = options.auth_token;
+  return tcp;
+}
+rdma::RdmaOptions RdmaFor(const TransportOptions& options) {
+  rdma::RdmaOptions r = options.rdma;
+  if (!options.auth_token.empty()) r.auth_token = options.auth_token;
+  return r;
+}
+
+}  // namespace
 
 absl::StatusOr<std::shared_ptr<rdma::RdmaContext>> RdmaContextFor(TransportOptions& options,
                                                                   const std::string& local_ip) {
@@ -21,16 +36,16 @@ absl::StatusOr<std::unique_ptr<transport::Listener>> ListenOn(asio::any_io_execu
                                                              const transport::Uri& uri,
                                                              TransportOptions& options) {
   if (uri.scheme == transport::Uri::Scheme::kTcp)
-    return transport::tcp::Listen(std::move(ex), uri.host, uri.port, options.tcp);
+    return transport::tcp::Listen(std::move(ex), uri.host, uri.port, TcpFor(options));
   auto context = RdmaContextFor(options, uri.host);
   if (!context.ok()) return context.status();
-  return rdma::Listen(std::move(ex), *context, uri.host, uri.port, options.rdma);
+  return rdma::Listen(std::move(ex), *context, uri.host, uri.port, RdmaFor(options));
 }
 
 void ConnectTo(asio::any_io_executor ex, const transport::Uri& uri, TransportOptions& options,
                transport::Listener::AcceptHandler handler) {
   if (uri.scheme == transport::Uri::Scheme::kTcp) {
-    transport::tcp::Connect(std::move(ex), uri.host, uri.port, options.tcp, std::move(handler));
+    transport::tcp::Connect(std::move(ex), uri.host, uri.port, TcpFor(options), std::move(handler));
     return;
   }
   auto context = RdmaContextFor(options, "");
@@ -40,7 +55,7 @@ void ConnectTo(asio::any_io_executor ex, const transport::Uri& uri, TransportOpt
                               absl::StatusOr<std::unique_ptr<transport::Connection>>(context.status()));
     return;
   }
-  rdma::Connect(std::move(ex), *context, uri.host, uri.port, options.rdma, std::move(handler));
+  rdma::Connect(std::move(ex), *context, uri.host, uri.port, RdmaFor(options), std::move(handler));
 }
 
 }  // namespace rdmarpc

@@ -24,6 +24,14 @@ struct TransportOptions {
   // that owns it and everything else the first ACTIVE port.
   std::shared_ptr<rdma::RdmaContext> rdma_context;
   rdma::DeviceSelector rdma_device;
+  // Shared secret for both transports (transport/common/auth.h); when
+  // non-empty it replaces rdma.auth_token and tcp.auth_token. A server with a
+  // token refuses clients without a matching one before anything else happens
+  // on their connection (the client's connect fails UNAUTHENTICATED: "server
+  // requires an auth token" / "auth token mismatch"); a server without one
+  // accepts every client, with or without a token. Keep it out of logs and
+  // command lines: read it from a file or the environment.
+  std::string auth_token;
 };
 
 // Opens (once) and returns the RDMA context for `options`; `local_ip` picks the

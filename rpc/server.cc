@@ -251,6 +251,14 @@ void Server::Impl::Accept(transport::Listener* listener) {
       self->Accept(listener);
       return;
     }
+    if (self->stats_.connections_open >= self->options_.max_connections) {
+      ++self->stats_.connections_refused;
+      RDMARPC_LOG(kWarn, "server", "event=connection_refused peer=", (*c)->peer(),
+                  " reason=\"max_connections ", self->options_.max_connections, " reached\"");
+      (*c)->Close();
+      self->Accept(listener);
+      return;
+    }
     auto conn = std::make_shared<Conn>();
     conn->c = std::move(*c);
     conn->peer = conn->c->peer();
@@ -479,6 +487,16 @@ void Server::Impl::Respond(const std::shared_ptr<Conn>& conn, uint64_t call_id, 
                            CallPtr call) {
   if (conn->dead) return;
   if (conn->pending.empty() && TrySend(conn, call_id, status, call ? call->response.get() : nullptr)) return;
+  // Responses pile up only if the client sends but does not read: every call
+  // it may have in flight, answered, plus as many rejections, is the bound.
+  if (conn->pending.size() >= 2 * options_.max_calls_per_connection) {
+    ++stats_.slow_readers_closed;
+    RDMARPC_LOG(kWarn, "server", "event=slow_reader conn=", conn->id, " peer=", conn->peer, " pending_responses=",
+                conn->pending.size(), " action=close_connection");
+    CloseConn(conn, ResourceExhaustedError(absl::StrCat(conn->pending.size(),
+                                                        " responses unread by the client; connection closed")));
+    return;
+  }
   conn->pending.push_back({call_id, std::move(status), std::move(call)});
 }
 

@@ -17,6 +17,13 @@
 // RESOURCE_EXHAUSTED (too many calls in flight on the connection, or a
 // response too big for it), UNAVAILABLE (server shutting down). A malformed
 // frame closes that connection only (logged with its reason).
+//
+// Limits against abusive clients (docs/rpc.md "Authentication and limits"):
+// an auth token (TransportOptions::auth_token) refuses unknown clients in the
+// transport handshake; max_calls_per_connection answers RESOURCE_EXHAUSTED;
+// a client that stops reading its responses is disconnected; max_connections
+// closes connections beyond it at once (event=connection_refused); the
+// transports refuse messages over max_message_size.
 #pragma once
 
 #include <chrono>
@@ -40,8 +47,19 @@ struct ServerOptions {
   // (see local_uris()).
   std::vector<std::string> listen;
   TransportOptions transport;
-  // Calls in flight per connection at most; more are answered RESOURCE_EXHAUSTED.
+  // Calls in flight per connection at most; more are answered
+  // RESOURCE_EXHAUSTED without running a handler. 4096 covers any pipelining
+  // client (the channel's own default cap is 65,536 across all calls) while
+  // bounding what one connection can hold: call state, handler coroutines.
+  // A connection with twice this many responses waiting for send space (a
+  // client that sends but does not read) is closed.
   size_t max_calls_per_connection = 4096;
+  // Connections open at most, over all listeners; the next ones are closed as
+  // soon as they are accepted (logged event=connection_refused; the client's
+  // calls fail UNAVAILABLE and it reconnects with backoff). Each RDMA
+  // connection pins its QP and ~0.5 MiB of registered slots, so this bounds
+  // what clients can make the server register.
+  size_t max_connections = 10'000;
   // The admin HTTP endpoint (GET /metrics, /connections; rpc/admin.h):
   // "127.0.0.1:9100", ":9100" (host 127.0.0.1), "[::1]:0"; port 0 picks a
   // free port (see admin_uri()). Empty: no endpoint. Bind 127.0.0.1 unless
@@ -52,6 +70,8 @@ struct ServerOptions {
 struct ServerStats {
   uint64_t connections_accepted = 0;
   uint64_t connections_open = 0;
+  uint64_t connections_refused = 0;   // Closed at once: over max_connections.
+  uint64_t slow_readers_closed = 0;   // Closed: too many responses unread.
   uint64_t calls_started = 0;
   uint64_t calls_finished = 0;        // Answered, or abandoned by a cancelled client.
   uint64_t calls_in_flight = 0;

@@ -28,12 +28,16 @@ TransportUnderTest Rdma(rdma::PollMode mode) {
   options.max_message_size = size_t{32} << 20;
   TransportUnderTest t;
   t.name = rdma::PollModeName(mode);
-  t.listen = [options](asio::any_io_executor ex) -> absl::StatusOr<std::unique_ptr<transport::Listener>> {
+  t.listen_with_token = [options](asio::any_io_executor ex,
+                                  const std::string& token) -> absl::StatusOr<std::unique_ptr<transport::Listener>> {
     auto ctx = Context();
     if (!ctx) return absl::UnavailableError("no RDMA device (run under tools/rxe-vm)");
-    return rdma::Listen(std::move(ex), ctx, testing::TestIp(), 0, options);
+    rdma::RdmaOptions o = options;
+    o.auth_token = token;
+    return rdma::Listen(std::move(ex), ctx, testing::TestIp(), 0, o);
   };
-  t.connect = [options](asio::any_io_executor ex, const std::string& uri, transport::Listener::AcceptHandler handler) {
+  t.connect_with_token = [options](asio::any_io_executor ex, const std::string& uri, const std::string& token,
+                                   transport::Listener::AcceptHandler handler) {
     auto parsed = transport::ParseUri(uri);
     auto ctx = Context();
     if (!parsed.ok() || !ctx) {
@@ -41,7 +45,14 @@ TransportUnderTest Rdma(rdma::PollMode mode) {
       asio::post(ex, asio::append(std::move(handler), absl::StatusOr<std::unique_ptr<transport::Connection>>(st)));
       return;
     }
-    rdma::Connect(std::move(ex), ctx, parsed->host, parsed->port, options, std::move(handler));
+    rdma::RdmaOptions o = options;
+    o.auth_token = token;
+    rdma::Connect(std::move(ex), ctx, parsed->host, parsed->port, o, std::move(handler));
+  };
+  t.listen = [l = t.listen_with_token](asio::any_io_executor ex) { return l(std::move(ex), ""); };
+  t.connect = [c = t.connect_with_token](asio::any_io_executor ex, const std::string& uri,
+                                         transport::Listener::AcceptHandler handler) {
+    c(std::move(ex), uri, "", std::move(handler));
   };
   t.max_message_size = options.max_message_size;
   return t;

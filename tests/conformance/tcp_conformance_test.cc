@@ -16,15 +16,27 @@ namespace tcp = transport::tcp;
 TransportUnderTest TcpOnLoopback(std::string name, tcp::TcpOptions options) {
   TransportUnderTest t;
   t.name = std::move(name);
-  t.listen = [options](asio::any_io_executor ex) { return tcp::Listen(std::move(ex), "127.0.0.1", 0, options); };
-  t.connect = [options](asio::any_io_executor ex, const std::string& uri, transport::Listener::AcceptHandler handler) {
+  t.listen_with_token = [options](asio::any_io_executor ex, const std::string& token) {
+    tcp::TcpOptions o = options;
+    o.auth_token = token;
+    return tcp::Listen(std::move(ex), "127.0.0.1", 0, o);
+  };
+  t.connect_with_token = [options](asio::any_io_executor ex, const std::string& uri, const std::string& token,
+                                   transport::Listener::AcceptHandler handler) {
     auto parsed = transport::ParseUri(uri);
     if (!parsed.ok()) {
       asio::post(ex, asio::append(std::move(handler),
                                   absl::StatusOr<std::unique_ptr<transport::Connection>>(parsed.status())));
       return;
     }
-    tcp::Connect(std::move(ex), parsed->host, parsed->port, options, std::move(handler));
+    tcp::TcpOptions o = options;
+    o.auth_token = token;
+    tcp::Connect(std::move(ex), parsed->host, parsed->port, o, std::move(handler));
+  };
+  t.listen = [l = t.listen_with_token](asio::any_io_executor ex) { return l(std::move(ex), ""); };
+  t.connect = [c = t.connect_with_token](asio::any_io_executor ex, const std::string& uri,
+                                         transport::Listener::AcceptHandler handler) {
+    c(std::move(ex), uri, "", std::move(handler));
   };
   t.max_message_size = options.max_message_size;
   return t;

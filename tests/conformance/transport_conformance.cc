@@ -235,6 +235,42 @@ absl::StatusOr<TransportConformance::Pair> TransportConformance::ConnectPair() {
   return pair;
 }
 
+TransportConformance::AuthOutcome TransportConformance::ConnectWithTokens(const std::string& server_token,
+                                                                         const std::string& client_token) {
+  AuthOutcome out;
+  auto listener = GetParam().listen_with_token(io_.get_executor(), server_token);
+  if (!listener.ok()) {
+    out.accept = out.connect = listener.status();
+    return out;
+  }
+  if (listener_) listener_->Close();
+  listener_ = std::move(*listener);
+  auto accepted = std::make_shared<Result<absl::StatusOr<std::unique_ptr<Connection>>>>();
+  auto connected = std::make_shared<Result<absl::StatusOr<std::unique_ptr<Connection>>>>();
+  listener_->Accept([accepted](absl::StatusOr<std::unique_ptr<Connection>> c) { accepted->value.emplace(std::move(c)); });
+  GetParam().connect_with_token(io_.get_executor(), listener_->local_uri(), client_token,
+                                [connected](absl::StatusOr<std::unique_ptr<Connection>> c) {
+                                  connected->value.emplace(std::move(c));
+                                });
+  if (!RunUntil([&] { return connected->has_value() && accepted->has_value(); })) {
+    out.connect = connected->has_value() ? connected->value->status() : absl::DeadlineExceededError("connect pending");
+    out.accept = accepted->has_value() ? accepted->value->status() : absl::DeadlineExceededError("accept pending");
+    return out;
+  }
+  out.connect = connected->value->status();
+  out.accept = accepted->value->status();
+  if (out.connect.ok() && out.accept.ok()) {
+    out.pair = Pair{connected->value->value().get(), accepted->value->value().get()};
+    connections_.push_back(std::move(**connected->value));
+    connections_.push_back(std::move(**accepted->value));
+  } else {
+    // The side that did connect is closed with the fixture.
+    if (out.connect.ok()) connections_.push_back(std::move(**connected->value));
+    if (out.accept.ok()) connections_.push_back(std::move(**accepted->value));
+  }
+  return out;
+}
+
 absl::Status TransportConformance::SendAndWait(Connection& connection, std::span<const std::byte> bytes) {
   auto result = std::make_shared<Result<absl::Status>>();
   connection.async_send(bytes, [result](absl::Status s) { result->value.emplace(std::move(s)); });
@@ -667,6 +703,64 @@ TEST_P(TransportConformance, StatsCountMessagesAndBytes) {
   EXPECT_EQ(c.bytes_sent - client_before.bytes_sent, bytes);
   EXPECT_EQ(s.messages_received - server_before.messages_received, uint64_t{kCount});
   EXPECT_EQ(s.bytes_received - server_before.bytes_received, bytes);
+}
+
+// ---- authentication (transport/common/auth.h) ---------------------------------------------------------
+
+#define SKIP_WITHOUT_AUTH()                                                        \
+  if (!GetParam().listen_with_token || !GetParam().connect_with_token) {           \
+    GTEST_SKIP() << "this backend's instantiation does not configure auth tokens"; \
+  }
+
+TEST_P(TransportConformance, AuthMatchingTokenConnects) {
+  SKIP_WITHOUT_AUTH();
+  AuthOutcome o = ConnectWithTokens("correct horse battery staple", "correct horse battery staple");
+  ASSERT_TRUE(o.connect.ok()) << o.connect;
+  ASSERT_TRUE(o.accept.ok()) << o.accept;
+  ExpectWorks(o.pair, 71);
+}
+
+TEST_P(TransportConformance, AuthWrongTokenIsRefusedWithTheReasonAndTheListenerGoesOn) {
+  SKIP_WITHOUT_AUTH();
+  AuthOutcome o = ConnectWithTokens("server-secret", "guessed-secret");
+  EXPECT_EQ(o.connect.code(), absl::StatusCode::kUnauthenticated) << o.connect;
+  EXPECT_NE(o.connect.message().find("auth token mismatch"), absl::string_view::npos) << o.connect;
+  EXPECT_EQ(o.accept.code(), absl::StatusCode::kUnauthenticated) << "the listener reports the refusal: " << o.accept;
+  // The same listener still serves a client with the right token.
+  auto accepted = std::make_shared<Result<absl::StatusOr<std::unique_ptr<Connection>>>>();
+  auto connected = std::make_shared<Result<absl::StatusOr<std::unique_ptr<Connection>>>>();
+  listener_->Accept([accepted](absl::StatusOr<std::unique_ptr<Connection>> c) { accepted->value.emplace(std::move(c)); });
+  GetParam().connect_with_token(io_.get_executor(), listener_->local_uri(), "server-secret",
+                                [connected](absl::StatusOr<std::unique_ptr<Connection>> c) {
+                                  connected->value.emplace(std::move(c));
+                                });
+  ASSERT_TRUE(RunUntil([&] { return connected->has_value() && accepted->has_value(); }));
+  ASSERT_TRUE(connected->value->ok()) << connected->value->status();
+  ASSERT_TRUE(accepted->value->ok()) << accepted->value->status();
+  std::unique_ptr<Connection> client = std::move(**connected->value);
+  std::unique_ptr<Connection> server = std::move(**accepted->value);
+  ExpectWorks(Pair{client.get(), server.get()}, 72);
+  client->Close();
+  server->Close();
+  RunFor(std::chrono::milliseconds(50));
+}
+
+TEST_P(TransportConformance, AuthMissingTokenIsRefused) {
+  SKIP_WITHOUT_AUTH();
+  AuthOutcome o = ConnectWithTokens("server-secret", "");
+  EXPECT_EQ(o.connect.code(), absl::StatusCode::kUnauthenticated) << o.connect;
+  EXPECT_NE(o.connect.message().find("server requires an auth token"), absl::string_view::npos) << o.connect;
+  EXPECT_EQ(o.accept.code(), absl::StatusCode::kUnauthenticated) << o.accept;
+}
+
+// A listener without a token accepts everyone; a client's proof is ignored
+// (so clients can be given the token before the servers require it).
+TEST_P(TransportConformance, AuthClientTokenIsIgnoredByAListenerWithout) {
+  SKIP_WITHOUT_AUTH();
+  AuthOutcome o = ConnectWithTokens("", "client-secret");
+  ASSERT_TRUE(o.connect.ok()) << o.connect;
+  ASSERT_TRUE(o.accept.ok()) << o.accept;
+  ExpectWorks(o.pair, 73);
 }
 
 }  // namespace rdmarpc::conformance

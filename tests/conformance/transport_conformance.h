@@ -39,6 +39,13 @@ struct TransportUnderTest {
   // Connects to listener->local_uri().
   std::function<void(asio::any_io_executor, const std::string& uri, transport::Listener::AcceptHandler)> connect;
   size_t max_message_size;
+  // listen/connect with a shared-secret auth token (empty: none), for the
+  // authentication tests (transport/common/auth.h); they skip when unset.
+  std::function<absl::StatusOr<std::unique_ptr<transport::Listener>>(asio::any_io_executor, const std::string& token)>
+      listen_with_token;
+  std::function<void(asio::any_io_executor, const std::string& uri, const std::string& token,
+                     transport::Listener::AcceptHandler)>
+      connect_with_token;
 };
 
 // For INSTANTIATE_TEST_SUITE_P's name generator argument.
@@ -73,6 +80,14 @@ class TransportConformance : public ::testing::TestWithParam<TransportUnderTest>
   // Accepts one connection while connecting to the listener. The fixture owns
   // both connections; TearDown closes them and lets their handlers run.
   absl::StatusOr<Pair> ConnectPair();
+  // Replaces listener_ with one that requires `server_token` and connects to
+  // it with `client_token`; waits for both the connect and the accept.
+  struct AuthOutcome {
+    absl::Status connect;
+    absl::Status accept;
+    Pair pair;  // Both set when both succeeded.
+  };
+  AuthOutcome ConnectWithTokens(const std::string& server_token, const std::string& client_token);
   // One message each way, checked: the connection still works.
   void ExpectWorks(const Pair& pair, uint64_t seed);
   // Synchronous helpers built on RunUntil: a timeout becomes DEADLINE_EXCEEDED.

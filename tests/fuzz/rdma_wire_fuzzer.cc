@@ -123,9 +123,16 @@ void CheckHello(std::span<const std::byte> input) {
   FUZZ_CHECK(h->recv_data >= 2 && h->recv_ctrl >= 3, "hello promises too few receives");
   FUZZ_CHECK(h->recv_slot_bytes >= wire::kHeaderSize + wire::kGrantSize, "hello slots too small");
   std::string expected(reinterpret_cast<const char*>(input.data()), wire::kHelloSize);
-  std::memset(expected.data() + 6, 0, 2);   // reserved u16
-  std::memset(expected.data() + 12, 0, 4);  // reserved u32
+  std::memset(expected.data() + 12, 0, 4);  // reserved u32 (bytes 6-7 are the flags: they round-trip)
   FUZZ_CHECK(EncodeHello(*h) == expected, "re-encoded hello differs");
+  // The auth proof after it: present exactly when the flag says so and the bytes are there.
+  auto proof = wire::DecodeHelloProof(input);
+  if ((h->flags & wire::kHelloAuthProof) == 0) {
+    FUZZ_CHECK(proof.ok() && !proof->has_value(), "a proof without the flag");
+  } else {
+    FUZZ_CHECK(proof.ok() == (input.size() >= wire::kHelloWithProofSize), "proof of a ", input.size(),
+               "-byte hello: ", proof.status().ToString());
+  }
 }
 
 // The input as field values: Encode then Decode gives them back.

@@ -13,6 +13,7 @@
 // Invariant: the messages received are exactly those a reference parser
 // finds in the stream (frames up to the first incomplete or oversized one),
 // in order, byte for byte, and then Receive() fails with UNAVAILABLE.
+#include <array>
 #include <cstddef>
 #include <cstdint>
 #include <memory>
@@ -22,6 +23,7 @@
 
 #include <boost/asio/io_context.hpp>
 #include <boost/asio/ip/tcp.hpp>
+#include <boost/asio/read.hpp>
 #include <boost/asio/write.hpp>
 
 #include "transport/tcp/tcp_transport.h"
@@ -162,7 +164,15 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   boost::system::error_code ec;
   writer.connect(world->endpoint, ec);
   FUZZ_CHECK(!ec, "connect: ", ec.message());
+  // The handshake (tcp_transport.h) first; the fuzzed bytes are the frames after it.
+  auto hello = transport::tcp::EncodeClientHello("", 0xFFFFFFFFu);
+  FUZZ_CHECK(hello.ok(), hello.status().ToString());
+  boost::asio::write(writer, boost::asio::buffer(*hello), ec);
+  FUZZ_CHECK(!ec, "hello: ", ec.message());
   FUZZ_CHECK(RunUntil(io, [&] { return accepted; }), "no connection accepted");
+  std::array<std::byte, transport::tcp::kServerVerdictBytes> verdict;
+  boost::asio::read(writer, boost::asio::buffer(verdict), ec);
+  FUZZ_CHECK(!ec, "verdict: ", ec.message());
 
   auto received = std::make_shared<Received>();
   if (eager) ReceiveLoop(conn.get(), received);

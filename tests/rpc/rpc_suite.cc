@@ -774,6 +774,147 @@ TEST_P(RpcSuite, EveryCompletionTokenFormWorks) {
   }
 }
 
+// ---- authentication and limits (issue 8 items 11, 12; docs/rpc.md) ----------------
+
+std::pair<StatusCode, Payload> EchoOnce(TestSvc::Stub& stub, size_t size, ClientContext& ctx) {
+  Payload req;
+  req.set_data(Pattern(size, static_cast<uint32_t>(size)));
+  return Sync<Payload>([&](auto token) { return stub.async_Echo(ctx, req, token); });
+}
+
+// A refused connect reaches the call as UNAUTHENTICATED naming the cause (the
+// channel keeps the transport's code for it, rather than a transient UNAVAILABLE).
+void ExpectRefused(StatusCode code, const ClientContext& ctx, const std::string& reason) {
+  EXPECT_EQ(code, StatusCode::kUnauthenticated) << ctx.status().ToString();
+  EXPECT_NE(ctx.status().message().find(reason), std::string::npos) << ctx.status().ToString();
+}
+
+TEST_P(RpcSuite, AuthTokenAdmitsTheRightClientAndRefusesOthersWithTheReason) {
+  Env env(GetParam());
+  const std::string uri = env.StartServer("", [](ServerOptions& o) { o.transport.auth_token = "s3cret-token"; });
+  auto good = env.NewChannel(uri, [](ChannelOptions& o) { o.transport.auth_token = "s3cret-token"; });
+  auto wrong = env.NewChannel(uri, [](ChannelOptions& o) { o.transport.auth_token = "not-the-token"; });
+  auto none = env.NewChannel(uri);
+  TestSvc::Stub good_stub(good), wrong_stub(wrong), none_stub(none);
+  {
+    ClientContext ctx;
+    auto [code, resp] = EchoOnce(wrong_stub, 100, ctx);
+    ExpectRefused(code, ctx, "auth token mismatch");
+  }
+  {
+    ClientContext ctx;
+    auto [code, resp] = EchoOnce(none_stub, 100, ctx);
+    ExpectRefused(code, ctx, "server requires an auth token");
+  }
+  for (size_t size : {size_t{10}, size_t{100'000}}) {
+    ClientContext ctx;
+    auto [code, resp] = EchoOnce(good_stub, size, ctx);
+    EXPECT_EQ(code, StatusCode::kOk) << ctx.status().ToString();
+    EXPECT_EQ(resp.data().size(), size);
+  }
+  EXPECT_EQ(env.OnIo([&] { return env.server().stats().connections_accepted; }), 1u)
+      << "refused clients never reach the server";
+}
+
+TEST_P(RpcSuite, ServerWithoutTokenServesAClientThatHasOne) {
+  Env env(GetParam());
+  auto channel = env.NewChannel(env.StartServer(), [](ChannelOptions& o) { o.transport.auth_token = "client-only"; });
+  TestSvc::Stub stub(channel);
+  ClientContext ctx;
+  auto [code, resp] = EchoOnce(stub, 100, ctx);
+  EXPECT_EQ(code, StatusCode::kOk) << ctx.status().ToString();
+}
+
+// Beyond max_calls_per_connection the server answers RESOURCE_EXHAUSTED
+// without running the handler; another connection is unaffected.
+TEST_P(RpcSuite, CallsOverThePerConnectionLimitAreRefusedWhileOtherConnectionsWork) {
+  Env env(GetParam());
+  constexpr int kLimit = 4;
+  const std::string uri = env.StartServer("", [](ServerOptions& o) { o.max_calls_per_connection = kLimit; });
+  auto abusive = env.NewChannel(uri);
+  auto polite = env.NewChannel(uri);
+  TestSvc::Stub abusive_stub(abusive), polite_stub(polite);
+  std::vector<ClientContext> ctxs(kLimit);
+  std::vector<Pending<Empty>> sleeps(kLimit);
+  SleepRequest sleep;
+  sleep.set_ms(5'000);
+  for (int i = 0; i < kLimit; ++i) abusive_stub.async_Sleep(ctxs[i], sleep, sleeps[i].token());
+  for (int i = 0; i < 6000 && env.service.sleeps_started < kLimit; ++i) std::this_thread::sleep_for(milliseconds(5));
+  ASSERT_EQ(env.service.sleeps_started, kLimit);
+
+  for (int i = 0; i < 3; ++i) {
+    ClientContext ctx;
+    auto [code, resp] = Sync<Empty>([&](auto token) { return abusive_stub.async_Sleep(ctx, sleep, token); });
+    EXPECT_EQ(code, StatusCode::kResourceExhausted) << ctx.status().ToString();
+    EXPECT_NE(ctx.status().message().find("calls in flight"), std::string::npos) << ctx.status().ToString();
+  }
+  EXPECT_EQ(env.service.sleeps_started, kLimit) << "a refused call ran its handler";
+  for (int i = 0; i < 20; ++i) {
+    ClientContext ctx;
+    auto [code, resp] = EchoOnce(polite_stub, static_cast<size_t>(i) * 1000, ctx);
+    EXPECT_EQ(code, StatusCode::kOk) << ctx.status().ToString();
+  }
+  for (auto& s : sleeps) EXPECT_EQ(ToStatusCode(std::get<0>(Get(s.future))), StatusCode::kOk);
+  // The limit counts calls in flight: once they finish, the abusive
+  // connection is served again.
+  ClientContext ctx;
+  auto [code, resp] = EchoOnce(abusive_stub, 10, ctx);
+  EXPECT_EQ(code, StatusCode::kOk) << ctx.status().ToString();
+}
+
+// A connection over max_connections is closed at once: its calls fail
+// UNAVAILABLE, the connection already open keeps working.
+TEST_P(RpcSuite, ConnectionsOverTheServerLimitAreClosedWhileTheFirstKeepsWorking) {
+  Env env(GetParam());
+  const std::string uri = env.StartServer("", [](ServerOptions& o) { o.max_connections = 1; });
+  auto first = env.NewChannel(uri);
+  auto second = env.NewChannel(uri);
+  TestSvc::Stub first_stub(first), second_stub(second);
+  {
+    ClientContext ctx;
+    EXPECT_EQ(EchoOnce(first_stub, 10, ctx).first, StatusCode::kOk) << ctx.status().ToString();
+  }
+  for (int i = 0; i < 2; ++i) {
+    ClientContext ctx;
+    auto [code, resp] = EchoOnce(second_stub, 10, ctx);
+    EXPECT_EQ(code, StatusCode::kUnavailable) << ctx.status().ToString();
+  }
+  for (int i = 0; i < 10; ++i) {
+    ClientContext ctx;
+    EXPECT_EQ(EchoOnce(first_stub, 5000, ctx).first, StatusCode::kOk) << ctx.status().ToString();
+  }
+  const ServerStats stats = env.OnIo([&] { return env.server().stats(); });
+  EXPECT_GE(stats.connections_refused, 1u);
+  EXPECT_EQ(stats.connections_open, 1u);
+}
+
+// A request over what the server accepts is refused by the client with
+// RESOURCE_EXHAUSTED before anything is sent (the limit is learnt in the
+// handshake), and the same connection carries on.
+TEST_P(RpcSuite, RequestOverTheServersMessageLimitIsRefusedAndTheConnectionSurvives) {
+  Env env(GetParam());
+  const std::string uri = env.StartServer("", [](ServerOptions& o) {
+    o.transport.tcp.max_message_size = 64 << 10;
+    o.transport.rdma.max_message_size = 64 << 10;
+  });
+  auto channel = env.NewChannel(uri);
+  TestSvc::Stub stub(channel);
+  {
+    ClientContext ctx;
+    EXPECT_EQ(EchoOnce(stub, 1000, ctx).first, StatusCode::kOk) << ctx.status().ToString();
+  }
+  {
+    ClientContext ctx;
+    auto [code, resp] = EchoOnce(stub, 100 << 10, ctx);
+    EXPECT_EQ(code, StatusCode::kResourceExhausted) << ctx.status().ToString();
+  }
+  {
+    ClientContext ctx;
+    EXPECT_EQ(EchoOnce(stub, 60 << 10, ctx).first, StatusCode::kOk) << ctx.status().ToString();
+  }
+  EXPECT_EQ(env.OnIo([&] { return channel->stats().connects; }), 1u) << "the connection was not kept";
+}
+
 }  // namespace
 
 std::string RpcTransportName(const ::testing::TestParamInfo<RpcTransport>& info) { return info.param.name; }

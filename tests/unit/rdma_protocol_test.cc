@@ -71,6 +71,45 @@ TEST(Wire, HelloValidatesThePeer) {
   EXPECT_FALSE(wire::DecodeHello(b).ok());  // Too few receives to make progress.
 }
 
+// The auth proof rides after the hello in the connect's private data
+// (transport/common/auth.h); the listener checks it before it creates a QP.
+TEST(Wire, HelloCarriesAnAuthProofThatOnlyTheRightTokenVerifies) {
+  namespace auth = transport::auth;
+  std::vector<std::byte> b(wire::kHelloWithProofSize);
+  EXPECT_EQ(b.size(), 56u) << "rdma_cm's RC connect private data limit";
+  wire::EncodeHello({64, 8, 4096 + 256 + 16, 1u << 26, wire::kHelloAuthProof}, b.data());
+  auto made = auth::MakeProof("token-a");
+  ASSERT_TRUE(made.ok()) << made.status();
+  std::copy(made->begin(), made->end(), b.begin() + wire::kHelloSize);
+
+  auto proof = wire::DecodeHelloProof(b);
+  ASSERT_TRUE(proof.ok()) << proof.status();
+  ASSERT_TRUE(proof->has_value());
+  EXPECT_EQ(auth::Check("token-a", &**proof), auth::Verdict::kOk);
+  EXPECT_EQ(auth::Check("token-b", &**proof), auth::Verdict::kTokenMismatch);
+  EXPECT_EQ(auth::Check("", &**proof), auth::Verdict::kOk) << "no token on the listener: anyone";
+  EXPECT_EQ(auth::Check("token-a", nullptr), auth::Verdict::kTokenRequired);
+  for (size_t i = 0; i < auth::kProofBytes; ++i) {  // Any flipped bit, nonce or MAC, fails.
+    auth::Proof bad = **proof;
+    bad[i] ^= std::byte{0x01};
+    EXPECT_EQ(auth::Check("token-a", &bad), auth::Verdict::kTokenMismatch) << "byte " << i;
+  }
+  auto again = auth::MakeProof("token-a");
+  ASSERT_TRUE(again.ok());
+  EXPECT_NE(*again, *made) << "each proof has a fresh nonce";
+
+  // Without the flag there is no proof, whatever follows; with the flag but
+  // truncated bytes the hello is refused.
+  wire::EncodeHello({64, 8, 4096 + 256 + 16, 1u << 26}, b.data());
+  auto none = wire::DecodeHelloProof(b);
+  ASSERT_TRUE(none.ok());
+  EXPECT_FALSE(none->has_value());
+  wire::EncodeHello({64, 8, 4096 + 256 + 16, 1u << 26, wire::kHelloAuthProof}, b.data());
+  EXPECT_FALSE(wire::DecodeHelloProof(std::span(b).first(wire::kHelloSize + 8)).ok());
+  EXPECT_EQ(auth::RefusedStatus(auth::Verdict::kTokenMismatch, "rdma://x:1").code(),
+            absl::StatusCode::kUnauthenticated);
+}
+
 TEST(Credits, PeerReturningMoreThanOutstandingIsAProtocolError) {
   CreditLedger l(8, 2, 8, 2);
   EXPECT_FALSE(l.OnReturned(1, 0).ok());

@@ -191,7 +191,16 @@ class TcpTransportTest : public ::testing::Test {
     boost::system::error_code ec;
     raw.connect(tcp::endpoint(asio::ip::make_address("127.0.0.1"), PortOf(listener)), ec);
     EXPECT_FALSE(ec) << ec.message();
-    EXPECT_TRUE(RunUntil([&] { return accepted.has_value(); }));
+    // The handshake (tcp_transport.h), then the raw socket speaks frames.
+    auto hello = EncodeClientHello("", 0xFFFFFFFFu);
+    EXPECT_TRUE(hello.ok()) << hello.status();
+    asio::write(raw, asio::buffer(*hello), ec);
+    EXPECT_FALSE(ec) << ec.message();
+    std::array<std::byte, kServerVerdictBytes> verdict;
+    std::optional<boost::system::error_code> read_ec;
+    asio::async_read(raw, asio::buffer(verdict), [&](boost::system::error_code e, size_t) { read_ec = e; });
+    EXPECT_TRUE(RunUntil([&] { return accepted.has_value() && read_ec.has_value(); }));
+    EXPECT_FALSE(read_ec.value_or(asio::error::timed_out)) << "no verdict from the listener";
     if (!accepted || !accepted->ok()) {
       ADD_FAILURE() << "accept: " << (accepted ? accepted->status().ToString() : "pending");
       return nullptr;
@@ -281,6 +290,84 @@ TEST_F(TcpTransportTest, OversizedFrameClosesThatConnectionOnly) {
   auto [c2, s2] = ConnectPair(*listener);
   ASSERT_NE(c2, nullptr);
   ExpectWorks(*c2, *s2, "new connection");
+}
+
+// ---- handshake (tcp_transport.h) --------------------------------------------------
+
+// A client that connects and says nothing holds a handshake slot, not the
+// listener: others connect meanwhile, and it is dropped after handshake_timeout.
+TEST_F(TcpTransportTest, SilentClientDoesNotHoldUpOthersAndIsDroppedAtTheHandshakeTimeout) {
+  TcpOptions options;
+  options.handshake_timeout = std::chrono::milliseconds(300);
+  auto listener = MustListen(options);
+  ASSERT_NE(listener, nullptr);
+  std::vector<ConnectResult> accepted;
+  listener->Accept([&](ConnectResult c) { accepted.push_back(std::move(c)); });
+  tcp::socket silent(io_);
+  boost::system::error_code ec;
+  silent.connect(tcp::endpoint(asio::ip::make_address("127.0.0.1"), PortOf(*listener)), ec);
+  ASSERT_FALSE(ec) << ec.message();
+
+  const auto start = Clock::now();
+  std::optional<ConnectResult> connected;
+  AsyncConnect(io_.get_executor(), "127.0.0.1", PortOf(*listener), TcpOptions{},
+               [&](ConnectResult c) { connected.emplace(std::move(c)); });
+  ASSERT_TRUE(RunUntil([&] { return connected.has_value() && !accepted.empty(); }));
+  ASSERT_TRUE(connected->ok()) << connected->status();
+  ASSERT_TRUE(accepted.front().ok()) << "the well-behaved client is accepted first: " << accepted.front().status();
+  EXPECT_LT(Clock::now() - start, std::chrono::milliseconds(250)) << "the silent client held up the listener";
+
+  // The silent one is closed at the timeout and reported to the next Accept().
+  listener->Accept([&](ConnectResult c) { accepted.push_back(std::move(c)); });
+  std::array<std::byte, 16> sink;
+  std::optional<boost::system::error_code> silent_end;
+  silent.async_read_some(asio::buffer(sink), [&](boost::system::error_code e, size_t) { silent_end = e; });
+  ASSERT_TRUE(RunUntil([&] { return silent_end.has_value() && accepted.size() == 2; }, std::chrono::seconds(5)));
+  EXPECT_TRUE(*silent_end == asio::error::eof || *silent_end == asio::error::connection_reset) << silent_end->message();
+  EXPECT_EQ(accepted[1].status().code(), absl::StatusCode::kDeadlineExceeded) << accepted[1].status();
+  ExpectWorks(*connected.value().value(), *accepted.front().value(), "after the silent client");
+}
+
+// Something that is not an rdmarpc client (an HTTP request on the wrong port)
+// is closed without a connection ever reaching the application.
+TEST_F(TcpTransportTest, NonRdmarpcClientIsClosedAtTheHandshake) {
+  auto listener = MustListen();
+  ASSERT_NE(listener, nullptr);
+  std::optional<ConnectResult> accepted;
+  listener->Accept([&](ConnectResult c) { accepted.emplace(std::move(c)); });
+  tcp::socket raw(io_);
+  boost::system::error_code ec;
+  raw.connect(tcp::endpoint(asio::ip::make_address("127.0.0.1"), PortOf(*listener)), ec);
+  ASSERT_FALSE(ec) << ec.message();
+  const std::string http = "GET /metrics HTTP/1.1\r\nHost: localhost\r\nAccept: */*\r\n\r\n";
+  ASSERT_GE(http.size(), kClientHelloBytes);
+  asio::write(raw, asio::buffer(http), ec);
+  ASSERT_TRUE(RunUntil([&] { return accepted.has_value(); }));
+  ASSERT_FALSE(accepted->ok());
+  EXPECT_NE(accepted->status().message().find("not an rdmarpc client"), absl::string_view::npos) << accepted->status();
+  auto [c, s] = ConnectPair(*listener);
+  ASSERT_NE(c, nullptr);
+  ExpectWorks(*c, *s, "after the stranger");
+}
+
+// The handshake tells each side what the other accepts: a message the server
+// would drop the connection for is refused by the client's Prepare() instead,
+// and the connection carries on.
+TEST_F(TcpTransportTest, MessageOverThePeersLimitIsRefusedLocallyAndTheConnectionSurvives) {
+  TcpOptions server_options;
+  server_options.max_message_size = 1024;
+  auto listener = MustListen(server_options);
+  ASSERT_NE(listener, nullptr);
+  auto [client, server] = ConnectPair(*listener);  // client: default 64 MiB
+  ASSERT_NE(client, nullptr);
+  EXPECT_EQ(client->max_message_size(), 1024u);
+  EXPECT_EQ(server->max_message_size(), 1024u);
+  auto too_big = client->Prepare(1025);
+  ASSERT_FALSE(too_big.ok());
+  EXPECT_EQ(too_big.status().code(), absl::StatusCode::kResourceExhausted) << too_big.status();
+  EXPECT_NE(too_big.status().message().find("the peer's limit"), absl::string_view::npos) << too_big.status();
+  ASSERT_TRUE(client->Prepare(1024).ok());
+  ExpectWorks(*client, *server, "after the refusal");
 }
 
 TEST_F(TcpTransportTest, FrameAtTheLimitIsAcceptedOneByteMoreIsNot) {

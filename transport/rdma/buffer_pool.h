@@ -65,6 +65,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "transport/rdma/access.h"
 #include "transport/rdma/verbs.h"
 
 namespace rdmarpc::rdma {
@@ -179,9 +180,9 @@ struct BufferPoolOptions {
   size_t max_registered_bytes = 256 << 20;
   // Verbs access flags for every slab's MR. Local write only by default: a
   // peer can never write into these buffers. The rendezvous pool passes
-  // IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE. Remote read/atomic only
+  // access::kRendezvousReceive. Remote read/atomic only
   // when asked for. Remote write/atomic require local write (a verbs rule).
-  int access = IBV_ACCESS_LOCAL_WRITE;
+  int access = ::rdmarpc::rdma::access::kLocalOnly;
   // Per-thread cache per class: min(thread_cache_buffers,
   // thread_cache_bytes / class size) buffers, refilled and drained half at a
   // time. 32 covers a send window's burst and amortises one mutex acquisition

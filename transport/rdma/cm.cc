@@ -13,6 +13,7 @@
 #include <boost/asio/this_coro.hpp>
 #include <boost/asio/use_awaitable.hpp>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "transport/common/log.h"
 
@@ -61,7 +62,12 @@ absl::Status Expect(const absl::StatusOr<CmEventPtr>& ev, rdma_cm_event_type wan
   if ((*ev)->event == RDMA_CM_EVENT_REJECTED && conn.private_data_len > 0 && conn.private_data != nullptr) {
     // Our Reject() sends a NUL-terminated reason; never trust the peer's length.
     const char* p = static_cast<const char*>(conn.private_data);
-    absl::StrAppend(&msg, " (peer says: ", std::string(p, strnlen(p, conn.private_data_len)), ")");
+    const std::string reason(p, strnlen(p, conn.private_data_len));
+    const absl::string_view prefix(kRejectUnauthenticated);
+    if (absl::StartsWith(reason, prefix))
+      return absl::UnauthenticatedError(
+          absl::StrCat("the server refused the connection: ", absl::string_view(reason).substr(prefix.size())));
+    absl::StrAppend(&msg, " (peer says: ", reason, ")");
   }
   // Unreachable, rejected, removed device, timeout: all "retry the call".
   return absl::UnavailableError(msg);

@@ -31,6 +31,9 @@ namespace rdmarpc::rdma {
 
 namespace asio = boost::asio;
 
+// Prefix of a reject reason that means "not authenticated" (Reject()).
+inline constexpr char kRejectUnauthenticated[] = "unauthenticated: ";
+
 // Connection-level knobs that rdma_cm would otherwise leave at values that hurt.
 struct CmOptions {
   // Local ACK timeout exponent: 4.096 us * 2^14 = 67 ms. Soft-RoCE has no
@@ -94,7 +97,10 @@ class CmEndpoint {
   asio::awaitable<absl::Status> Connect(std::string private_data);
   // Server: rdma_accept with `private_data`, waits for ESTABLISHED.
   asio::awaitable<absl::Status> Accept(std::string private_data);
-  // Rejects a pending connect request, with a reason the peer receives.
+  // Rejects a pending connect request, with a reason the peer receives. A
+  // reason starting with kRejectUnauthenticated fails the peer's Connect()
+  // with UNAUTHENTICATED (the rest of the text says why); any other with
+  // UNAVAILABLE.
   absl::Status Reject(absl::string_view reason);
 
   // Waits for the next event after establishment (DISCONNECTED, DEVICE_REMOVAL,

@@ -1,6 +1,7 @@
 #include "transport/rdma/rc_link.h"
 
 #include "absl/strings/str_cat.h"
+#include "transport/rdma/access.h"
 
 namespace rdmarpc::rdma {
 
@@ -17,7 +18,7 @@ absl::Status RcLink::Init(std::unique_ptr<CmEndpoint> ep) {
   endpoint_ = std::move(ep);
   const size_t total = options_.slot_size * static_cast<size_t>(options_.send_slots + options_.recv_slots);
   memory_.resize(total);
-  auto mr = dev_.RegisterMemory(memory_.data(), total, IBV_ACCESS_LOCAL_WRITE);
+  auto mr = dev_.RegisterMemory(memory_.data(), total, access::kLocalOnly);
   if (!mr.ok()) return mr.status();
   mr_ = std::move(*mr);
   // Every posted WR can complete once: the CQ holds all of them at the same time.

@@ -13,9 +13,11 @@
 #include <boost/asio/use_awaitable.hpp>
 
 #include "absl/strings/str_cat.h"
+#include "transport/common/auth.h"
 #include "transport/common/log.h"
 #include "transport/common/fifo.h"
 #include "transport/completion.h"
+#include "transport/rdma/access.h"
 #include "transport/rdma/credits.h"
 #include "transport/rdma/poller.h"
 #include "transport/rdma/rdma_transport.h"
@@ -98,7 +100,7 @@ class RdmaConnectionImpl final : public std::enable_shared_from_this<RdmaConnect
     void* mem = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
     if (mem == MAP_FAILED) return ErrnoStatus(errno, absl::StrCat("mmap of ", bytes, " slot bytes"));
     slots_ = SlotMemory(static_cast<std::byte*>(mem), bytes);
-    auto mr = dev.RegisterMemory(mem, bytes, IBV_ACCESS_LOCAL_WRITE);
+    auto mr = dev.RegisterMemory(mem, bytes, access::kLocalOnly);
     if (!mr.ok()) return mr.status();
     slots_mr_ = std::move(*mr);
 
@@ -140,11 +142,18 @@ class RdmaConnectionImpl final : public std::enable_shared_from_this<RdmaConnect
     return absl::OkStatus();
   }
 
-  std::string HelloBytes() const {
+  // Our hello for the rdma_cm private data; a connector with an auth token
+  // appends its proof (transport/common/auth.h).
+  absl::StatusOr<std::string> HelloBytes(bool with_proof) const {
     std::string out(wire::kHelloSize, '\0');
     wire::EncodeHello({opt_.recv_depth, opt_.ctrl_depth, static_cast<uint32_t>(slot_bytes_),
-                       opt_.max_message_size},
+                       opt_.max_message_size, with_proof ? wire::kHelloAuthProof : uint16_t{0}},
                       reinterpret_cast<std::byte*>(out.data()));
+    if (with_proof) {
+      auto proof = transport::auth::MakeProof(opt_.auth_token);
+      if (!proof.ok()) return proof.status();
+      out.append(reinterpret_cast<const char*>(proof->data()), proof->size());
+    }
     return out;
   }
 
@@ -197,7 +206,7 @@ class RdmaConnectionImpl final : public std::enable_shared_from_this<RdmaConnect
       free_send_slots_.pop_back();
       return SendBuffer({SendSlot(slot) + wire::kHeaderSize, size}, this, MakeToken(kTokSendSlot, slot));
     }
-    auto large = AllocateLarge(size, IBV_ACCESS_LOCAL_WRITE);
+    auto large = AllocateLarge(size, access::kLocalOnly);
     if (!large.ok()) return large.status();
     uint64_t id = next_large_out_++;
     std::byte* data = large->memory.get();
@@ -572,7 +581,7 @@ class RdmaConnectionImpl final : public std::enable_shared_from_this<RdmaConnect
                                                      "-byte message; the limit is ", opt_.max_message_size)));
       return;
     }
-    auto buf = AllocateLarge(h.length, IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE);
+    auto buf = AllocateLarge(h.length, access::kRendezvousReceive);
     if (!buf.ok()) {
       Fail(buf.status());
       return;
@@ -919,6 +928,13 @@ class RdmaListener final : public transport::Listener {
     }
     std::string peer_hello = (*ep)->peer_private_data();
     std::string peer_uri = UriOf((*ep)->id(), true);
+    // Authentication comes first: a refused client costs no QP, no memory.
+    if (auto st = Authenticate(peer_hello, peer_uri); !st.ok()) {
+      (void)(*ep)->Reject(st.code() == absl::StatusCode::kUnauthenticated
+                              ? absl::StrCat(kRejectUnauthenticated, st.message())
+                              : std::string(st.message()));
+      co_return st;
+    }
     auto impl = std::make_shared<RdmaConnectionImpl>(ex_, ctx_, opt_);
     CmEndpoint* raw = ep->get();
     if (auto st = impl->Init(std::move(*ep)); !st.ok()) {
@@ -930,9 +946,27 @@ class RdmaListener final : public transport::Listener {
       (void)raw->Reject(st.status().message());
       co_return st.status();
     }
-    if (auto st = co_await raw->Accept(impl->HelloBytes()); !st.ok()) co_return st;
+    auto hello = impl->HelloBytes(false);
+    if (!hello.ok()) {
+      (void)raw->Reject(hello.status().message());
+      co_return hello.status();
+    }
+    if (auto st = co_await raw->Accept(std::move(*hello)); !st.ok()) co_return st;
     if (auto st = impl->Start(peer_hello, peer_uri); !st.ok()) co_return st;
     co_return std::unique_ptr<transport::Connection>(new RdmaConnection(std::move(impl)));
+  }
+
+  // OK, or why the client is refused (logged; its text goes to the client in
+  // the reject's private data).
+  absl::Status Authenticate(const std::string& peer_hello, const std::string& peer_uri) const {
+    auto proof = wire::DecodeHelloProof({reinterpret_cast<const std::byte*>(peer_hello.data()), peer_hello.size()});
+    if (!proof.ok()) return proof.status();
+    const transport::auth::Verdict verdict =
+        transport::auth::Check(opt_.auth_token, proof->has_value() ? &**proof : nullptr);
+    if (verdict == transport::auth::Verdict::kOk) return absl::OkStatus();
+    RDMARPC_LOG(kWarn, "rdma", "event=auth_refused listener=", local_uri(), " peer=", peer_uri, " reason=\"",
+                transport::auth::VerdictReason(verdict), "\"");
+    return absl::UnauthenticatedError(transport::auth::VerdictReason(verdict));
   }
 
   asio::any_io_executor ex_;
@@ -952,7 +986,13 @@ asio::awaitable<absl::StatusOr<std::unique_ptr<transport::Connection>>> ConnectI
   auto impl = std::make_shared<RdmaConnectionImpl>(ex, ctx, opt);
   CmEndpoint* raw = ep->get();
   if (auto st = impl->Init(std::move(*ep)); !st.ok()) co_return st;
-  if (auto st = co_await raw->Connect(impl->HelloBytes()); !st.ok()) co_return st;
+  auto hello = impl->HelloBytes(!opt.auth_token.empty());
+  if (!hello.ok()) co_return hello.status();
+  if (auto st = co_await raw->Connect(std::move(*hello)); !st.ok()) {
+    if (st.code() == absl::StatusCode::kUnauthenticated)
+      RDMARPC_LOG(kWarn, "rdma", "event=auth_refused_by_server server=", peer_uri, " reason=\"", st.message(), "\"");
+    co_return st;
+  }
   if (auto st = impl->Start(raw->peer_private_data(), peer_uri); !st.ok()) co_return st;
   co_return std::unique_ptr<transport::Connection>(new RdmaConnection(std::move(impl)));
 }

@@ -71,6 +71,12 @@ struct RdmaOptions {
   size_t eager_limit = 4096 + 256;
   // Largest message accepted in either direction.
   size_t max_message_size = size_t{256} << 20;
+  // Shared secret (transport/common/auth.h), checked in the rdma_cm connect
+  // before the listener creates a QP or registers memory. Listener: non-empty
+  // rejects clients without a matching proof (they see UNAUTHENTICATED);
+  // empty accepts anyone. Connector: non-empty sends a proof (a listener
+  // without a token ignores it). TransportOptions::auth_token sets it.
+  std::string auth_token;
   CmOptions cm;
 };
 

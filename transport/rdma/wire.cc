@@ -85,7 +85,7 @@ void EncodeHello(const Hello& h, std::byte* out) noexcept {
   Put<uint8_t>(out, kVersion);
   Put<uint16_t>(out, h.recv_data);
   Put<uint16_t>(out, h.recv_ctrl);
-  Put<uint16_t>(out, 0);
+  Put<uint16_t>(out, h.flags);
   Put<uint32_t>(out, h.recv_slot_bytes);
   Put<uint32_t>(out, 0);
   Put<uint64_t>(out, h.max_message);
@@ -105,7 +105,7 @@ absl::StatusOr<Hello> DecodeHello(std::span<const std::byte> data) noexcept {
   Hello h;
   h.recv_data = Get<uint16_t>(p);
   h.recv_ctrl = Get<uint16_t>(p);
-  (void)Get<uint16_t>(p);
+  h.flags = Get<uint16_t>(p);
   h.recv_slot_bytes = Get<uint32_t>(p);
   (void)Get<uint32_t>(p);
   h.max_message = Get<uint64_t>(p);
@@ -114,6 +114,18 @@ absl::StatusOr<Hello> DecodeHello(std::span<const std::byte> data) noexcept {
   if (h.recv_slot_bytes < kHeaderSize + kGrantSize)
     return absl::FailedPreconditionError("peer's receive slots cannot hold a control frame");
   return h;
+}
+
+absl::StatusOr<std::optional<auth::Proof>> DecodeHelloProof(std::span<const std::byte> data) noexcept {
+  auto hello = DecodeHello(data);
+  if (!hello.ok()) return hello.status();
+  if ((hello->flags & kHelloAuthProof) == 0) return std::optional<auth::Proof>();
+  if (data.size() < kHelloWithProofSize)
+    return absl::FailedPreconditionError(absl::StrCat("peer's hello announces an auth proof but is only ",
+                                                      data.size(), " bytes"));
+  auth::Proof proof;
+  std::memcpy(proof.data(), data.data() + kHelloSize, auth::kProofBytes);
+  return std::optional<auth::Proof>(proof);
 }
 
 }  // namespace rdmarpc::rdma::wire

@@ -13,11 +13,15 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <optional>
 #include <span>
 
 #include "absl/status/statusor.h"
+#include "transport/common/auth.h"
 
 namespace rdmarpc::rdma::wire {
+
+namespace auth = transport::auth;
 
 inline constexpr uint8_t kMagic = 0xD7;
 inline constexpr uint8_t kVersion = 1;
@@ -41,14 +45,20 @@ struct Grant {
 inline constexpr size_t kGrantSize = 16;
 
 // Connection parameters exchanged in rdma_cm private data (max 56 bytes on
-// RC connect with IB CM; we use 24).
+// RC connect with IB CM, 196 on accept; we use 24, or 56 with an auth proof).
 struct Hello {
   uint16_t recv_data = 0;      // RECVs the sender keeps posted for data frames.
   uint16_t recv_ctrl = 0;      // ... and for CREDIT frames.
   uint32_t recv_slot_bytes = 0;  // Bytes per receive slot, header included.
   uint64_t max_message = 0;    // Largest message it accepts.
+  uint16_t flags = 0;          // kHello* bits; unknown bits are ignored.
 };
 inline constexpr size_t kHelloSize = 24;
+// The connect's hello is followed by a client auth proof (auth::kProofBytes).
+// Peers from before this flag ignore it and the bytes after the hello.
+inline constexpr uint16_t kHelloAuthProof = 1;
+inline constexpr size_t kHelloWithProofSize = kHelloSize + auth::kProofBytes;
+static_assert(kHelloWithProofSize <= 56, "rdma_cm RC connect private data is 56 bytes at most");
 
 void EncodeHeader(const Header& h, std::byte* out) noexcept;
 void EncodeGrant(const Grant& g, std::byte* out) noexcept;
@@ -59,5 +69,8 @@ void EncodeHello(const Hello& h, std::byte* out) noexcept;
 absl::StatusOr<Header> DecodeHeader(std::span<const std::byte> frame) noexcept;
 absl::StatusOr<Grant> DecodeGrant(std::span<const std::byte> body) noexcept;
 absl::StatusOr<Hello> DecodeHello(std::span<const std::byte> data) noexcept;
+// The auth proof after a hello that has kHelloAuthProof; nullopt without the
+// flag; FAILED_PRECONDITION when the flag is set but the bytes are missing.
+absl::StatusOr<std::optional<auth::Proof>> DecodeHelloProof(std::span<const std::byte> data) noexcept;
 
 }  // namespace rdmarpc::rdma::wire

@@ -27,6 +27,7 @@
 #include <boost/asio/write.hpp>
 
 #include "absl/strings/str_cat.h"
+#include "transport/common/auth.h"
 #include "transport/common/log.h"
 #include "transport/common/fifo.h"
 #include "transport/completion.h"
@@ -78,6 +79,57 @@ absl::Status ValidateOptions(const TcpOptions& options) {
 
 std::string TcpUri(const tcp::endpoint& ep) {
   return Uri{Uri::Scheme::kTcp, ep.address().to_string(), ep.port()}.ToString();
+}
+
+// ---- handshake (tcp_transport.h) -----------------------------------------------
+
+constexpr uint8_t kHandshakeVersion = 1;
+constexpr std::array<char, 4> kHelloMagic = {'r', 'R', 'P', 'C'};
+constexpr std::array<char, 4> kVerdictMagic = {'r', 'R', 'P', 'S'};
+constexpr uint8_t kHelloHasProof = 1;
+
+struct ClientHello {
+  uint32_t max_message = 0;
+  std::optional<auth::Proof> proof;
+};
+
+std::array<std::byte, kServerVerdictBytes> EncodeVerdict(auth::Verdict verdict, uint32_t max_message) {
+  std::array<std::byte, kServerVerdictBytes> out{};
+  std::memcpy(out.data(), kVerdictMagic.data(), 4);
+  out[4] = std::byte{kHandshakeVersion};
+  out[5] = static_cast<std::byte>(verdict);
+  EncodeLength(max_message, out.data() + 8);
+  return out;
+}
+
+absl::StatusOr<ClientHello> DecodeClientHello(const std::array<std::byte, kClientHelloBytes>& in) {
+  if (std::memcmp(in.data(), kHelloMagic.data(), 4) != 0)
+    return absl::InvalidArgumentError("not an rdmarpc client (bad hello magic)");
+  if (std::to_integer<uint8_t>(in[4]) != kHandshakeVersion)
+    return absl::FailedPreconditionError(absl::StrCat("client speaks handshake version ",
+                                                      std::to_integer<int>(in[4]), ", we speak ",
+                                                      kHandshakeVersion));
+  ClientHello hello;
+  hello.max_message = DecodeLength(in.data() + 8);
+  if ((std::to_integer<uint8_t>(in[5]) & kHelloHasProof) != 0) {
+    hello.proof.emplace();
+    std::memcpy(hello.proof->data(), in.data() + 12, auth::kProofBytes);
+  }
+  return hello;
+}
+
+// The client's reading of the server's answer: the server's message limit,
+// or why the connection was refused.
+absl::StatusOr<uint32_t> DecodeVerdict(const std::array<std::byte, kServerVerdictBytes>& in,
+                                       const std::string& server) {
+  if (std::memcmp(in.data(), kVerdictMagic.data(), 4) != 0 || std::to_integer<uint8_t>(in[4]) != kHandshakeVersion)
+    return absl::FailedPreconditionError(
+        absl::StrCat(server, " answered the handshake with bytes that are not an rdmarpc server's"));
+  const uint8_t verdict = std::to_integer<uint8_t>(in[5]);
+  if (verdict > static_cast<uint8_t>(auth::Verdict::kTokenMismatch))
+    return absl::FailedPreconditionError(absl::StrCat(server, " refused the connection (verdict ", verdict, ")"));
+  if (absl::Status st = auth::RefusedStatus(static_cast<auth::Verdict>(verdict), server); !st.ok()) return st;
+  return DecodeLength(in.data() + 8);
 }
 
 // ---- memory for internal socket operations -----------------------------------
@@ -232,9 +284,10 @@ class BufferPool final : public BufferOwner {
 // operation_aborted). Thread: the connection's executor, except stats().
 class ConnectionCore final : public std::enable_shared_from_this<ConnectionCore> {
  public:
-  ConnectionCore(tcp::socket socket, std::string peer, const TcpOptions& options)
+  ConnectionCore(tcp::socket socket, std::string peer, const TcpOptions& options, uint32_t peer_max_message)
       : ex_(socket.get_executor()),
         options_(options),
+        peer_max_message_(peer_max_message),
         socket_(std::move(socket)),
         peer_(std::move(peer)),
         pool_(options.pooled_buffers, options.pooled_buffer_max_bytes) {
@@ -256,7 +309,9 @@ class ConnectionCore final : public std::enable_shared_from_this<ConnectionCore>
   }
 
   const asio::any_io_executor& executor() const { return ex_; }
-  size_t max_message_size() const { return options_.max_message_size; }
+  // What both ends accept: a larger message is refused here, not by the peer
+  // dropping the connection.
+  size_t max_message_size() const { return std::min<size_t>(options_.max_message_size, peer_max_message_); }
   const std::string& peer() const { return peer_; }
 
   void Start() {
@@ -265,10 +320,10 @@ class ConnectionCore final : public std::enable_shared_from_this<ConnectionCore>
   }
 
   absl::StatusOr<SendBuffer> Prepare(size_t size) {
-    if (size > options_.max_message_size) {
+    if (size > max_message_size()) {
       return absl::ResourceExhaustedError(absl::StrCat("message of ", size, " bytes exceeds max_message_size ",
-                                                       options_.max_message_size, " of the connection to ",
-                                                       peer_));
+                                                       max_message_size(), " of the connection to ", peer_,
+                                                       size > options_.max_message_size ? "" : " (the peer's limit)"));
     }
     BufferPool::Lease lease = pool_.Acquire(kSendPrefix + size);
     return SendBuffer(std::span<std::byte>(lease.memory + kSendPrefix, size), &pool_, lease.token);
@@ -595,6 +650,7 @@ class ConnectionCore final : public std::enable_shared_from_this<ConnectionCore>
   // everything holding pool_ buffers (body_, ready_) goes before pool_.
   asio::any_io_executor ex_;
   const TcpOptions options_;
+  const uint32_t peer_max_message_;  // From the handshake.
   tcp::socket socket_;
   const std::string peer_;
   BufferPool pool_;
@@ -649,19 +705,22 @@ class TcpConnection final : public Connection {
   std::shared_ptr<ConnectionCore> core_;
 };
 
-ConnectResult MakeConnection(tcp::socket socket, const TcpOptions& options) {
+ConnectResult MakeConnection(tcp::socket socket, const TcpOptions& options, uint32_t peer_max_message) {
   error_code ec;
   socket.set_option(tcp::no_delay(true), ec);
   if (ec) return absl::UnavailableError(absl::StrCat("setting TCP_NODELAY failed: ", ec.message()));
   tcp::endpoint remote = socket.remote_endpoint(ec);
   if (ec) return absl::UnavailableError(absl::StrCat("peer left during connection setup: ", ec.message()));
-  auto core = std::make_shared<ConnectionCore>(std::move(socket), TcpUri(remote), options);
+  auto core = std::make_shared<ConnectionCore>(std::move(socket), TcpUri(remote), options, peer_max_message);
   core->Start();
   return std::unique_ptr<Connection>(new TcpConnection(std::move(core)));
 }
 
 // ---- listener ------------------------------------------------------------------
 
+// Accepts sockets while someone waits in Accept(), runs each one's handshake
+// concurrently (a silent client must not hold up the others), and hands out
+// the outcomes in the order handshakes finish. Thread: the listener's executor.
 class TcpListener final : public Listener {
  public:
   TcpListener(tcp::acceptor acceptor, std::string uri, const TcpOptions& options)
@@ -674,20 +733,14 @@ class TcpListener final : public Listener {
       PostCompletion(ex, std::move(handler), ConnectResult(absl::CancelledError("listener was closed")));
       return;
     }
-    // The accept holds the core, so destroying the listener with an accept
-    // pending is safe: the accept completes CANCELLED.
-    core_->acceptor.async_accept([core = core_, ex, h = std::move(handler)](error_code ec, tcp::socket socket) mutable {
-      if (ec == asio::error::operation_aborted || (ec && core->closed)) {
-        PostCompletion(ex, std::move(h), ConnectResult(absl::CancelledError("listener was closed")));
-      } else if (ec) {
-        RDMARPC_LOG(kWarn, "tcp", "event=accept_failed listener=", core->uri, " reason=", ec.message());
-        PostCompletion(ex, std::move(h),
-                       ConnectResult(absl::UnavailableError(
-                           absl::StrCat("accept on ", core->uri, " failed: ", ec.message()))));
-      } else {
-        PostCompletion(ex, std::move(h), MakeConnection(std::move(socket), core->options));
-      }
-    });
+    if (!core_->ready.empty()) {
+      ConnectResult result = std::move(core_->ready.front());
+      core_->ready.pop_front();
+      PostCompletion(ex, std::move(handler), std::move(result));
+      return;
+    }
+    core_->waiting.push_back(std::move(handler));
+    Core::MaybeAccept(core_);
   }
 
   std::string local_uri() const override { return core_->uri; }
@@ -697,16 +750,111 @@ class TcpListener final : public Listener {
     core_->closed = true;
     error_code ignored;
     core_->acceptor.close(ignored);
+    core_->closing.cancel();  // Handshakes in progress give up now.
+    const asio::any_io_executor ex = core_->acceptor.get_executor();
+    while (!core_->waiting.empty()) {
+      PostCompletion(ex, std::move(core_->waiting.front()), ConnectResult(absl::CancelledError("listener was closed")));
+      core_->waiting.pop_front();
+    }
+    while (!core_->ready.empty()) core_->ready.pop_front();
   }
 
  private:
+  // Shared with the pending accept and the handshakes, so destroying the
+  // listener with them in flight is safe (they complete and find it closed).
   struct Core {
     Core(tcp::acceptor a, std::string u, const TcpOptions& o)
-        : acceptor(std::move(a)), uri(std::move(u)), options(o) {}
+        : acceptor(std::move(a)), uri(std::move(u)), options(o), closing(acceptor.get_executor()) {
+      closing.expires_at(asio::steady_timer::time_point::max());
+    }
     tcp::acceptor acceptor;
     const std::string uri;
     const TcpOptions options;
+    asio::steady_timer closing;  // Never fires; Close() cancels its waits.
+    Fifo<AcceptHandler> waiting;
+    Fifo<ConnectResult> ready;   // Handshakes that finished with nobody waiting.
+    size_t handshaking = 0;
+    bool accepting = false;
     bool closed = false;
+
+    static void MaybeAccept(const std::shared_ptr<Core>& core) {
+      if (core->closed || core->accepting || core->waiting.empty() || core->handshaking >= kMaxHandshakes) return;
+      core->accepting = true;
+      core->acceptor.async_accept([core](error_code ec, tcp::socket socket) {
+        core->accepting = false;
+        if (core->closed) return;
+        if (ec) {
+          RDMARPC_LOG(kWarn, "tcp", "event=accept_failed listener=", core->uri, " reason=", ec.message());
+          core->Deliver(ConnectResult(
+              absl::UnavailableError(absl::StrCat("accept on ", core->uri, " failed: ", ec.message()))));
+          return;  // The next Accept() tries again.
+        }
+        ++core->handshaking;
+        asio::co_spawn(core->acceptor.get_executor(), Handshake(core, std::move(socket)),
+                       [core](std::exception_ptr e, ConnectResult result) {
+                         --core->handshaking;
+                         if (e) result = absl::ResourceExhaustedError("handshake failed: out of memory");
+                         core->Deliver(std::move(result));
+                         MaybeAccept(core);
+                       });
+        MaybeAccept(core);
+      });
+    }
+
+    void Deliver(ConnectResult result) {
+      if (closed) return;  // The connection (if any) closes as it is dropped.
+      if (waiting.empty()) {
+        ready.push_back(std::move(result));
+        return;
+      }
+      PostCompletion(acceptor.get_executor(), std::move(waiting.front()), std::move(result));
+      waiting.pop_front();
+    }
+
+    // Reads the client's hello, checks its auth proof, answers with the
+    // verdict; the connection exists only after kOk.
+    static asio::awaitable<ConnectResult> Handshake(std::shared_ptr<Core> core, tcp::socket socket) {
+      using namespace asio::experimental::awaitable_operators;
+      error_code ec;
+      const tcp::endpoint remote = socket.remote_endpoint(ec);
+      const std::string peer = ec ? std::string("tcp://?") : TcpUri(remote);
+      asio::steady_timer deadline(socket.get_executor(), core->options.handshake_timeout);
+      std::array<std::byte, kClientHelloBytes> hello_bytes;
+      auto outcome = co_await (asio::async_read(socket, asio::buffer(hello_bytes), asio::as_tuple(asio::use_awaitable)) ||
+                               deadline.async_wait(asio::as_tuple(asio::use_awaitable)) ||
+                               core->closing.async_wait(asio::as_tuple(asio::use_awaitable)));
+      if (core->closed || outcome.index() == 2) co_return absl::CancelledError("listener was closed");
+      absl::Status failed;
+      if (outcome.index() == 1) {
+        failed = absl::DeadlineExceededError(absl::StrCat("client ", peer, " sent no hello within ",
+                                                          core->options.handshake_timeout.count(), " ms"));
+      } else if (error_code read_ec = std::get<0>(std::get<0>(outcome))) {
+        failed = absl::UnavailableError(absl::StrCat("client ", peer, " left during the handshake: ", read_ec.message()));
+      }
+      absl::StatusOr<ClientHello> hello =
+          failed.ok() ? DecodeClientHello(hello_bytes) : absl::StatusOr<ClientHello>(failed);
+      if (!hello.ok()) {
+        RDMARPC_LOG(kWarn, "tcp", "event=handshake_failed listener=", core->uri, " peer=", peer,
+                    " reason=\"", hello.status().message(), "\"");
+        co_return hello.status();
+      }
+      const auth::Verdict verdict = auth::Check(core->options.auth_token, hello->proof ? &*hello->proof : nullptr);
+      const auto answer = EncodeVerdict(verdict, static_cast<uint32_t>(core->options.max_message_size));
+      // 12 bytes into a fresh socket's empty send buffer: completes at once.
+      auto [write_ec, written] = co_await asio::async_write(socket, asio::buffer(answer), asio::as_tuple(asio::use_awaitable));
+      (void)written;
+      if (verdict != auth::Verdict::kOk) {
+        RDMARPC_LOG(kWarn, "tcp", "event=auth_refused listener=", core->uri, " peer=", peer, " reason=\"",
+                    auth::VerdictReason(verdict), "\"");
+        socket.shutdown(tcp::socket::shutdown_send, ec);  // The client reads the verdict, then EOF.
+        co_return absl::UnauthenticatedError(
+            absl::StrCat("refused client ", peer, ": ", auth::VerdictReason(verdict)));
+      }
+      if (write_ec)
+        co_return absl::UnavailableError(absl::StrCat("client ", peer, " left during the handshake: ", write_ec.message()));
+      if (core->closed) co_return absl::CancelledError("listener was closed");
+      co_return MakeConnection(std::move(socket), core->options, hello->max_message);
+    }
   };
   std::shared_ptr<Core> core_;
 };
@@ -722,27 +870,71 @@ asio::awaitable<error_code> ResolveAndConnect(tcp::resolver& resolver, tcp::sock
   co_return connect_ec;
 }
 
+// Connect, then the handshake: our hello out, the server's verdict in.
+// Returns the server's message limit.
+asio::awaitable<absl::StatusOr<uint32_t>> ConnectAndGreet(tcp::resolver& resolver, tcp::socket& socket,
+                                                          std::string host, uint16_t port, std::string target,
+                                                          std::string hello) {
+  if (error_code ec = co_await ResolveAndConnect(resolver, socket, std::move(host), port))
+    co_return absl::UnavailableError(absl::StrCat("connect to ", target, " failed: ", ec.message()));
+  auto [write_ec, written] = co_await asio::async_write(socket, asio::buffer(hello), asio::as_tuple(asio::use_awaitable));
+  (void)written;
+  std::array<std::byte, kServerVerdictBytes> verdict;
+  auto [read_ec, read] = co_await asio::async_read(socket, asio::buffer(verdict), asio::as_tuple(asio::use_awaitable));
+  (void)read;
+  // A failed write is reported through the read: a verdict that did arrive
+  // (a refusal) says more than the write error.
+  (void)write_ec;
+  if (read_ec) {
+    co_return absl::UnavailableError(absl::StrCat(
+        target, " closed the connection during the handshake (", read_ec.message(),
+        "): not an rdmarpc tcp server, or it refused the client"));
+  }
+  co_return DecodeVerdict(verdict, target);
+}
+
 asio::awaitable<ConnectResult> ConnectTask(asio::any_io_executor ex, std::string host, uint16_t port,
                                            TcpOptions options) {
   using namespace asio::experimental::awaitable_operators;
   const std::string target = Uri{Uri::Scheme::kTcp, host, port}.ToString();
+  auto hello = EncodeClientHello(options.auth_token, static_cast<uint32_t>(options.max_message_size));
+  if (!hello.ok()) co_return hello.status();
   tcp::resolver resolver(ex);
   tcp::socket socket(ex);
   asio::steady_timer deadline(ex, options.connect_timeout);
   // Whichever finishes first cancels the other.
-  auto outcome = co_await (ResolveAndConnect(resolver, socket, host, port) ||
+  auto outcome = co_await (ConnectAndGreet(resolver, socket, host, port, target, std::move(*hello)) ||
                            deadline.async_wait(asio::as_tuple(asio::use_awaitable)));
   if (outcome.index() == 1) {
     co_return absl::DeadlineExceededError(
         absl::StrCat("connect to ", target, " timed out after ", options.connect_timeout.count(), " ms"));
   }
-  if (error_code ec = std::get<0>(outcome)) {
-    co_return absl::UnavailableError(absl::StrCat("connect to ", target, " failed: ", ec.message()));
+  absl::StatusOr<uint32_t> server_max = std::move(std::get<0>(outcome));
+  if (!server_max.ok()) {
+    if (server_max.status().code() == absl::StatusCode::kUnauthenticated)
+      RDMARPC_LOG(kWarn, "tcp", "event=auth_refused_by_server server=", target, " reason=\"",
+                  server_max.status().message(), "\"");
+    co_return server_max.status();
   }
-  co_return MakeConnection(std::move(socket), options);
+  co_return MakeConnection(std::move(socket), options, *server_max);
 }
 
 }  // namespace
+
+absl::StatusOr<std::string> EncodeClientHello(const std::string& auth_token, uint32_t max_message) {
+  std::string out(kClientHelloBytes, '\0');
+  auto* p = reinterpret_cast<std::byte*>(out.data());
+  std::memcpy(p, kHelloMagic.data(), 4);
+  p[4] = std::byte{kHandshakeVersion};
+  EncodeLength(max_message, p + 8);
+  if (!auth_token.empty()) {
+    auto proof = auth::MakeProof(auth_token);
+    if (!proof.ok()) return proof.status();
+    p[5] = std::byte{kHelloHasProof};
+    std::memcpy(p + 12, proof->data(), auth::kProofBytes);
+  }
+  return out;
+}
 
 absl::StatusOr<std::unique_ptr<Listener>> Listen(asio::any_io_executor ex, const std::string& host, uint16_t port,
                                                  TcpOptions options) {

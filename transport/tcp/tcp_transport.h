@@ -3,10 +3,24 @@
 // above the seam runs where there is no RDMA NIC, and so the benchmark has a
 // baseline.
 //
-// Wire: every message is one frame, a 4-byte little-endian payload length
-// followed by the payload. A frame longer than max_message_size from the peer
-// ends that connection (logged as event=bad_frame) and fails its operations
-// with UNAVAILABLE; other connections are unaffected.
+// Wire: a handshake, then every message is one frame, a 4-byte little-endian
+// payload length followed by the payload. A frame longer than max_message_size
+// from the peer ends that connection (logged as event=bad_frame) and fails its
+// operations with UNAVAILABLE; other connections are unaffected.
+//
+// Handshake (little-endian), before any frame:
+//   client -> server, kClientHelloBytes: "rRPC", version 1, flags (bit 0: an
+//     auth proof follows), 2 reserved bytes, u32 largest message the client
+//     accepts, 32 bytes of auth proof (transport/common/auth.h; zeros without).
+//   server -> client, kServerVerdictBytes: "rRPS", version 1, verdict
+//     (auth::Verdict), 2 reserved bytes, u32 largest message the server accepts.
+// The listener reads the hello within handshake_timeout, answers, and hands
+// the connection to Accept() only on kOk; a refused client's connect fails
+// with UNAUTHENTICATED naming the reason, and the listener logs
+// event=auth_refused and closes the socket. Each side then refuses locally
+// (RESOURCE_EXHAUSTED from Prepare()) a message larger than the peer accepts.
+// Handshakes run concurrently: a client that connects and stays silent holds
+// one of kMaxHandshakes slots for handshake_timeout, never the listener.
 //
 // Threads: a connection (and a listener) is used from its executor -- one
 // thread running the io_context, or a strand. Every call (Prepare, Send,
@@ -67,7 +81,26 @@ struct TcpOptions {
   // Bound for resolve + connect. The kernel's own SYN retry limit is about two
   // minutes, far too long for a caller that wants to fail over.
   std::chrono::milliseconds connect_timeout{10'000};
+  // Shared secret (transport/common/auth.h). Listener: non-empty means every
+  // client must prove it; empty accepts anyone. Connector: non-empty sends a
+  // proof (a listener without a token ignores it). TransportOptions::auth_token
+  // sets it for both transports.
+  std::string auth_token;
+  // How long the listener waits for a connected client's hello. Long enough
+  // for a client on a loaded host, short enough that silent connections do
+  // not pile up.
+  std::chrono::milliseconds handshake_timeout{5'000};
 };
+
+inline constexpr size_t kClientHelloBytes = 44;
+inline constexpr size_t kServerVerdictBytes = 12;
+// Handshakes in progress per listener at most; beyond it the listener stops
+// accepting until one finishes (the kernel's backlog holds the rest).
+inline constexpr size_t kMaxHandshakes = 64;
+
+// The client's handshake bytes (above), with a proof of `auth_token` when it
+// is non-empty; for clients that speak the wire directly (tests, fuzzers).
+absl::StatusOr<std::string> EncodeClientHello(const std::string& auth_token, uint32_t max_message);
 
 // Binds and listens on host:port (port 0: the kernel picks; local_uri() then
 // reports the real one). `host` may be a numeric address or a name; the first
