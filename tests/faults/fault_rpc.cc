@@ -1,0 +1,269 @@
+// The fault suite's two halves (tests/faults/rpc_netem.sh runs them in two VMs).
+//
+//   fault_rpc serve --listen=rdma://IP:PORT
+//       Serves rdmarpc.test.Fault until SIGINT/SIGTERM. Counts handler runs per
+//       call id: a second run for one id is a duplicate (Stats reports them).
+//   fault_rpc drive --target=rdma://IP:PORT --calls=N [--concurrency=C]
+//                   [--sizes=64,4096,65536,262144] [--deadline-ms=D] [--bound-ms=B]
+//                   [--label=TEXT] [--expect=ok|any]
+//       Makes N echo calls (sizes in turn, each with a unique id and a
+//       deadline), checks every byte of every answer, and judges:
+//         - every call completed exactly once (a second completion, or none
+//           within deadline + bound, fails);
+//         - no call completed later than its deadline plus --bound-ms;
+//         - with --expect=ok, every call succeeded;
+//         - the server ran no handler twice (its Stats after the round).
+//       Prints one `fault-rpc:` line with the figures; exit 0 only if all hold.
+#include <signal.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <map>
+#include <random>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <boost/asio/io_context.hpp>
+#include <boost/asio/signal_set.hpp>
+#include <boost/asio/steady_timer.hpp>
+
+#include "absl/container/flat_hash_map.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "rdmarpc/test/fault.rdmarpc.pb.h"
+#include "rpc/channel.h"
+#include "rpc/server.h"
+
+namespace rdmarpc::faults {
+namespace {
+
+namespace asio = boost::asio;
+using rdmarpc::test::FaultRequest;
+using rdmarpc::test::FaultResponse;
+using rdmarpc::test::FaultStatsRequest;
+using rdmarpc::test::FaultStatsResponse;
+using Clock = std::chrono::steady_clock;
+
+[[noreturn]] void Usage(const std::string& why) {
+  std::fprintf(stderr,
+               "fault_rpc: %s\nusage: fault_rpc serve --listen=URI\n"
+               "       fault_rpc drive --target=URI --calls=N [--concurrency=C] [--sizes=LIST] [--deadline-ms=D]\n"
+               "                       [--bound-ms=B] [--label=TEXT] [--expect=ok|any]\n",
+               why.c_str());
+  std::exit(2);
+}
+
+std::map<std::string, std::string> Flags(int argc, char** argv) {
+  std::map<std::string, std::string> f;
+  for (int i = 2; i < argc; ++i) {
+    std::string a = argv[i];
+    const auto eq = a.find('=');
+    if (a.rfind("--", 0) != 0 || eq == std::string::npos) Usage("bad argument " + a);
+    f[a.substr(2, eq - 2)] = a.substr(eq + 1);
+  }
+  return f;
+}
+
+// A payload whose every byte depends on the call id: a mixed-up answer shows.
+void Fill(std::string& s, uint64_t id, size_t size) {
+  s.resize(size);
+  for (size_t i = 0; i < size; ++i) s[i] = static_cast<char>((id * 131 + i * 7) & 0xff);
+}
+
+class FaultService final : public rdmarpc::test::Fault::Service {
+ public:
+  asio::awaitable<Status> Echo(ServerContext&, const FaultRequest& req, FaultResponse& resp) override {
+    ++requests_;
+    if (++runs_[req.id()] > 1) ++duplicates_;
+    resp.set_id(req.id());
+    resp.set_data(req.data());
+    co_return Status();
+  }
+  asio::awaitable<Status> Stats(ServerContext&, const FaultStatsRequest&, FaultStatsResponse& resp) override {
+    resp.set_requests(requests_);
+    resp.set_duplicates(duplicates_);
+    co_return Status();
+  }
+
+ private:
+  uint64_t requests_ = 0, duplicates_ = 0;
+  absl::flat_hash_map<uint64_t, uint32_t> runs_;
+};
+
+int Serve(const std::map<std::string, std::string>& f) {
+  auto it = f.find("listen");
+  if (it == f.end()) Usage("serve needs --listen=URI");
+  asio::io_context io;
+  FaultService service;
+  ServerOptions so;
+  so.listen = {it->second};
+  auto server = std::make_shared<Server>(io.get_executor(), so);
+  if (auto st = server->AddService(service); !st.ok()) {
+    std::fprintf(stderr, "fault_rpc: %s\n", st.ToString().c_str());
+    return 1;
+  }
+  if (auto st = server->Start(); !st.ok()) {
+    std::fprintf(stderr, "fault_rpc: %s\n", st.ToString().c_str());
+    return 1;
+  }
+  std::printf("fault-rpc: serving %s\n", server->local_uris().at(0).c_str());
+  std::fflush(stdout);
+  asio::signal_set signals(io, SIGINT, SIGTERM);
+  signals.async_wait([&](boost::system::error_code, int) {
+    server->async_shutdown(std::chrono::milliseconds(500), [&] { io.stop(); });
+  });
+  io.run();
+  return 0;
+}
+
+int Drive(const std::map<std::string, std::string>& f) {
+  auto get = [&](const std::string& k, const std::string& dflt) {
+    auto it = f.find(k);
+    return it == f.end() ? dflt : it->second;
+  };
+  const std::string target = get("target", "");
+  if (target.empty()) Usage("drive needs --target=URI");
+  uint64_t calls = 0;
+  int concurrency = 0, deadline_ms = 0, bound_ms = 0;
+  if (!absl::SimpleAtoi(get("calls", "1000"), &calls) || calls == 0) Usage("--calls takes a positive count");
+  if (!absl::SimpleAtoi(get("concurrency", "8"), &concurrency) || concurrency < 1) Usage("--concurrency >= 1");
+  if (!absl::SimpleAtoi(get("deadline-ms", "30000"), &deadline_ms) || deadline_ms < 1) Usage("--deadline-ms >= 1");
+  if (!absl::SimpleAtoi(get("bound-ms", "2000"), &bound_ms) || bound_ms < 0) Usage("--bound-ms >= 0");
+  std::vector<size_t> sizes;
+  for (auto s : absl::StrSplit(get("sizes", "64,4096,65536,262144"), ',', absl::SkipEmpty())) {
+    size_t v = 0;
+    if (!absl::SimpleAtoi(s, &v)) Usage("--sizes takes byte counts");
+    sizes.push_back(v);
+  }
+  const std::string label = get("label", "run");
+  const bool expect_ok = get("expect", "ok") == "ok";
+
+  asio::io_context io;
+  ChannelOptions co;
+  auto channel = Channel::Create(io.get_executor(), target, co);
+  if (!channel.ok()) {
+    std::fprintf(stderr, "fault_rpc: %s\n", channel.status().ToString().c_str());
+    return 2;
+  }
+  rdmarpc::test::Fault::Stub stub(*channel);
+
+  struct Slot {
+    ClientContext ctx;
+    FaultRequest req;
+    FaultResponse resp;
+    Clock::time_point deadline;
+  };
+  std::vector<std::unique_ptr<Slot>> slots;
+  for (int i = 0; i < concurrency; ++i) slots.push_back(std::make_unique<Slot>());
+  std::vector<uint32_t> completions(calls, 0);
+  std::map<std::string, uint64_t> by_status;
+  uint64_t next = 0, done = 0, corrupt = 0, late = 0;
+  double max_latency_ms = 0, max_over_deadline_ms = -1e9;
+  const auto start = Clock::now();
+  std::string expected;
+
+  // Ids unique across runs against one server (it counts handler runs per id
+  // for its whole life): a random run number above the call's sequence number.
+  const uint64_t run = static_cast<uint64_t>(std::random_device{}()) << 32;
+  std::function<void(int)> issue = [&](int i) {
+    Slot& s = *slots[static_cast<size_t>(i)];
+    const uint64_t seq = next++;
+    const uint64_t id = run | seq;
+    s.ctx.set_timeout(std::chrono::milliseconds(deadline_ms));
+    s.deadline = *s.ctx.deadline();
+    s.req.set_id(id);
+    Fill(*s.req.mutable_data(), id, sizes[seq % sizes.size()]);
+    const auto sent = Clock::now();
+    stub.async_Echo(s.ctx, s.req, s.resp, [&, i, id, seq, sent](boost::system::error_code ec) {
+      Slot& d = *slots[static_cast<size_t>(i)];
+      const auto now = Clock::now();
+      ++completions[seq];
+      ++done;
+      ++by_status[std::string(StatusCodeName(d.ctx.status().code()))];
+      if (!ec) {
+        Fill(expected, id, sizes[seq % sizes.size()]);
+        if (d.resp.id() != id || d.resp.data() != expected) ++corrupt;
+      }
+      max_latency_ms = std::max(max_latency_ms, std::chrono::duration<double, std::milli>(now - sent).count());
+      const double over = std::chrono::duration<double, std::milli>(now - d.deadline).count();
+      max_over_deadline_ms = std::max(max_over_deadline_ms, over);
+      if (over > bound_ms) ++late;
+      if (next < calls) issue(i);
+      if (done == calls) io.stop();
+    });
+  };
+  for (int i = 0; i < concurrency && next < calls; ++i) issue(i);
+  // Nothing may hang: every call has a deadline, so all must be over by the
+  // last deadline plus the bound. A watchdog turns a hang into a verdict.
+  asio::steady_timer watchdog(io, std::chrono::milliseconds(deadline_ms + bound_ms) * (1 + calls / concurrency));
+  bool hung = false;
+  watchdog.async_wait([&](boost::system::error_code ec) {
+    if (!ec) {
+      hung = true;
+      io.stop();
+    }
+  });
+  io.run();
+  watchdog.cancel();
+  io.restart();
+  const double secs = std::chrono::duration<double>(Clock::now() - start).count();
+
+  // The server's count of handler runs (after the round; the wire is the same).
+  uint64_t duplicates = 0, requests = 0;
+  bool stats_ok = false;
+  {
+    ClientContext ctx;
+    ctx.set_timeout(std::chrono::seconds(60));
+    ctx.set_wait_for_ready(true);
+    FaultStatsRequest req;
+    FaultStatsResponse resp;
+    stub.async_Stats(ctx, req, resp, [&](boost::system::error_code ec) {
+      stats_ok = !ec;
+      duplicates = resp.duplicates();
+      requests = resp.requests();
+      io.stop();
+    });
+    io.run_for(std::chrono::seconds(70));
+  }
+  (*channel)->Close();
+  io.restart();
+  io.run_for(std::chrono::milliseconds(200));
+
+  uint64_t never = 0, twice = 0;
+  for (uint64_t c : completions) {
+    if (c == 0) ++never;
+    if (c > 1) ++twice;
+  }
+  std::string statuses;
+  for (const auto& [name, n] : by_status) absl::StrAppend(&statuses, statuses.empty() ? "" : ",", name, "=", n);
+  const bool all_ok = by_status.size() == 1 && by_status.count("OK") == 1;
+  const bool pass = !hung && never == 0 && twice == 0 && late == 0 && corrupt == 0 && stats_ok && duplicates == 0 &&
+                    (!expect_ok || all_ok);
+  std::printf(
+      "fault-rpc: %s calls=%llu seconds=%.1f statuses={%s} completed_never=%llu completed_twice=%llu corrupt=%llu "
+      "late=%llu max_latency_ms=%.0f max_past_deadline_ms=%.0f server_handler_runs=%llu server_duplicates=%llu%s "
+      "%s\n",
+      label.c_str(), static_cast<unsigned long long>(calls), secs, statuses.c_str(),
+      static_cast<unsigned long long>(never), static_cast<unsigned long long>(twice),
+      static_cast<unsigned long long>(corrupt), static_cast<unsigned long long>(late), max_latency_ms,
+      max_over_deadline_ms, static_cast<unsigned long long>(requests), static_cast<unsigned long long>(duplicates),
+      stats_ok ? "" : " (server stats unavailable)", pass ? "PASS" : "FAIL");
+  return pass ? 0 : 1;
+}
+
+}  // namespace
+}  // namespace rdmarpc::faults
+
+int main(int argc, char** argv) {
+  if (argc < 2) rdmarpc::faults::Usage("say serve or drive");
+  const std::string mode = argv[1];
+  auto flags = rdmarpc::faults::Flags(argc, argv);
+  if (mode == "serve") return rdmarpc::faults::Serve(flags);
+  if (mode == "drive") return rdmarpc::faults::Drive(flags);
+  rdmarpc::faults::Usage("unknown mode " + mode);
+}
