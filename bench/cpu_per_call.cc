@@ -45,6 +45,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
 #include "bench/alloc_hooks.h"
+#include "bench/bench_common.h"
 #include "rdmarpc/bench/echo.pb.h"
 #include "rdmarpc/bench/echo.rdmarpc.pb.h"
 #include "rpc/channel.h"
@@ -249,41 +250,10 @@ absl::StatusOr<Phase> RunRdmarpc(const Options& o, const std::string& transport)
 #if RDMARPC_BENCH_HAVE_GRPC
 absl::StatusOr<Phase> RunGrpc(const Options& o) {
   using EchoGrpc = rdmarpc::bench::grpcsvc::Echo;
-  EchoGrpc::AsyncService service;
-  grpc::ServerBuilder builder;
-  int port = 0;
-  builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
-  builder.RegisterService(&service);
-  std::unique_ptr<grpc::ServerCompletionQueue> scq = builder.AddCompletionQueue();
-  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
-  if (!server || port == 0) return absl::UnavailableError("gRPC server did not start on 127.0.0.1");
-  struct ServerCall {
-    ServerCall(EchoGrpc::AsyncService& svc, grpc::ServerCompletionQueue& cq) : responder(&ctx) {
-      svc.RequestEcho(&ctx, &request, &responder, &cq, &cq, this);
-    }
-    grpc::ServerContext ctx;
-    EchoRequest request;
-    EchoResponse response;
-    grpc::ServerAsyncResponseWriter<EchoResponse> responder;
-    bool finishing = false;
-  };
-  for (int i = 0; i < o.concurrency + 4; ++i) new ServerCall(service, *scq);
-  std::thread server_thread([&] {
-    void* tag = nullptr;
-    bool ok = false;
-    while (scq->Next(&tag, &ok)) {
-      auto* call = static_cast<ServerCall*>(tag);
-      if (call->finishing || !ok) {
-        delete call;
-        continue;
-      }
-      new ServerCall(service, *scq);
-      call->response.set_payload(call->request.payload());
-      call->finishing = true;
-      call->responder.Finish(call->response, grpc::Status::OK, call);
-    }
-  });
-  auto channel = grpc::CreateChannel(absl::StrCat("127.0.0.1:", port), grpc::InsecureChannelCredentials());
+  // The same server the RPC benchmark's gRPC row uses (grpc_row.cc).
+  auto server = GrpcServer::Start("127.0.0.1:0", o.concurrency);
+  if (!server.ok()) return server.status();
+  auto channel = grpc::CreateChannel((*server)->address(), grpc::InsecureChannelCredentials());
   auto stub = EchoGrpc::NewStub(channel);
   grpc::CompletionQueue cq;
   struct Slot {
@@ -324,9 +294,7 @@ absl::StatusOr<Phase> RunGrpc(const Options& o) {
   bool ok = false;
   while (cq.Next(&tag, &ok)) {
   }
-  server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(1));
-  scq->Shutdown();
-  server_thread.join();
+  server->reset();
   return p;
 }
 #endif
@@ -372,13 +340,13 @@ std::optional<uint64_t> ReadCallgrindTotal(const std::string& path) {
   return total;
 }
 
-struct Row {
+struct CountRow {
   std::string transport;
   Phase phase;
   std::optional<uint64_t> instructions;
 };
 
-absl::StatusOr<Row> RunUnderCallgrind(const Options& o, const std::string& self, const std::string& transport) {
+absl::StatusOr<CountRow> RunUnderCallgrind(const Options& o, const std::string& self, const std::string& transport) {
   const std::string out = absl::StrCat("/tmp/cpu_per_call.", getpid(), ".", transport, ".callgrind");
   std::vector<std::string> args = {"valgrind",
                                    "--tool=callgrind",
@@ -421,7 +389,7 @@ absl::StatusOr<Row> RunUnderCallgrind(const Options& o, const std::string& self,
   if (!WIFEXITED(status) || WEXITSTATUS(status) != 0)
     return absl::InternalError(absl::StrCat("the callgrind run of ", transport, " failed (exit ",
                                             WIFEXITED(status) ? WEXITSTATUS(status) : -1, ")"));
-  Row row;
+  CountRow row;
   row.transport = transport;
   const auto at = output.find("PHASE ");
   if (at == std::string::npos) return absl::InternalError("the callgrind child printed no result");
@@ -445,7 +413,7 @@ int main(int argc, char** argv) {
   WarmAllocTracing();
   const Options o = Parse(argc, argv);
   if (o.child) return Child(o);
-  std::vector<Row> rows;
+  std::vector<CountRow> rows;
   int failures = 0;
   for (const auto& t : o.transports) {
     if (o.callgrind) {
@@ -474,7 +442,7 @@ int main(int argc, char** argv) {
   }
   std::printf("| transport | size B | conc | calls | instructions/call | allocs/call | errors | wall us/call |\n");
   std::printf("|---|---:|---:|---:|---:|---:|---:|---:|\n");
-  const Row* grpc = nullptr;
+  const CountRow* grpc = nullptr;
   for (const auto& r : rows)
     if (r.transport == "grpc") grpc = &r;
   for (const auto& r : rows) {

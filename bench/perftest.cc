@@ -25,7 +25,8 @@ std::string RunPair(const std::string& server_cmd, const std::string& client_cmd
 // The all-numeric line of a perftest table that starts with `size`.
 std::vector<double> TableLine(const std::string& out, size_t size) {
   for (auto line : absl::StrSplit(out, '\n')) {
-    std::vector<absl::string_view> tok = absl::StrSplit(line, ' ', absl::SkipWhitespace());
+    // ib_send_lat separates some columns with tabs.
+    std::vector<absl::string_view> tok = absl::StrSplit(line, absl::ByAnyChar(" \t\r"), absl::SkipWhitespace());
     size_t first = 0;
     if (tok.size() < 2 || !absl::SimpleAtoi(tok[0], &first) || first != size) continue;
     std::vector<double> v;
