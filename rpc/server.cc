@@ -30,6 +30,12 @@ using google::protobuf::MessageLite;
 using transport::Connection;
 using transport::Message;
 
+namespace {
+// After the grace period: how long the cancellation answers get to go out
+// before connections that did not drain are closed.
+constexpr std::chrono::milliseconds kShutdownLinger{250};
+}  // namespace
+
 class Server::Impl : public std::enable_shared_from_this<Impl> {
  public:
   Impl(asio::any_io_executor ex, ServerOptions options)
@@ -551,7 +557,10 @@ bool Server::Impl::TrySend(const std::shared_ptr<Conn>& conn, uint64_t call_id, 
 void Server::Impl::SendControl(const std::shared_ptr<Conn>& conn, rpc::FrameType type, bool close_after) {
   if (conn->dead) return;
   auto buffer = conn->c->Prepare(rpc::kFrameHeaderSize);
-  if (!buffer.ok()) return;
+  if (!buffer.ok()) {
+    if (close_after) MaybeCloseDrained(conn);
+    return;
+  }
   rpc::FrameHeader h;
   h.type = type;
   rpc::EncodeFrameHead(h, {}, buffer->data());
@@ -605,6 +614,19 @@ void Server::Impl::Shutdown(std::chrono::milliseconds grace, asio::any_completio
         for (auto& [id, call] : conn->calls) calls.push_back(call);
         for (Call* call : calls) self->CancelCall(call, StatusCode::kUnavailable, &answer);
       }
+      // A connection still open now never drained: its client does not read
+      // (responses or the GOAWAY wait for send space or credits) or is gone
+      // without a disconnect reaching us. The answers just queued get a short
+      // linger, then every connection is closed so that shutdown completes.
+      self->grace_timer_.expires_after(kShutdownLinger);
+      self->grace_timer_.async_wait([self](boost::system::error_code linger_ec) {
+        if (linger_ec) return;
+        for (auto conn : std::vector(self->conns_)) {
+          RDMARPC_LOG(kWarn, "server", "event=shutdown_force_close conn=", conn->id, " peer=", conn->peer,
+                      " calls=", conn->calls.size(), " unsent_responses=", conn->pending.size());
+          self->CloseConn(conn, UnavailableError("server shut down; the connection did not drain within the grace period"));
+        }
+      });
     });
   }
   MaybeFinishShutdown();
@@ -614,6 +636,10 @@ void Server::Impl::MaybeFinishShutdown() {
   if (!shutting_down_ || stats_.calls_in_flight != 0 || !conns_.empty() || shutdown_waiters_.empty()) return;
   grace_timer_.cancel();
   if (admin_) admin_->Close();  // its accept would keep the io_context running
+  // Nothing is left to serve: parked worker coroutines would keep the
+  // io_context running too (run() would never return after a shutdown).
+  stopped_ = true;
+  ReleaseIdleWorkers();
   for (auto& w : std::exchange(shutdown_waiters_, {})) transport::PostCompletion(ex_, std::move(w));
 }
 

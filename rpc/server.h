@@ -102,8 +102,11 @@ class Server {
 
   // Graceful stop: no new connections; connected clients get GOAWAY; calls
   // that arrive afterwards are answered UNAVAILABLE; calls in flight run to
-  // completion. After `grace` the remaining handlers are cancelled. Completes
-  // (void()) once every handler has returned and every connection is closed.
+  // completion. After `grace` the remaining handlers are cancelled (their
+  // calls answered UNAVAILABLE) and, 250 ms later, connections that have not
+  // drained (a client that does not read, or one gone without a disconnect)
+  // are closed. Completes (void()) once every handler has returned and every
+  // connection is closed.
   template <typename Token>
   auto async_shutdown(std::chrono::milliseconds grace, Token&& token) {
     return asio::async_initiate<Token, void()>(

@@ -257,7 +257,14 @@ absl::Status RunRpc(const Options& opt, const std::string& scheme, std::vector<R
           rows.push_back(std::move(row));
         }
       },
-      [&](std::exception_ptr) {
+      [&](std::exception_ptr error) {
+        if (error) {
+          try {
+            std::rethrow_exception(error);
+          } catch (const std::exception& e) {
+            result = absl::InternalError(std::string("echo loop threw: ") + e.what());
+          }
+        }
         (*channel)->Close();
         server.async_shutdown(std::chrono::seconds(1), [] {});
       });
@@ -303,9 +310,17 @@ int main(int argc, char** argv) {
     return Fail("--ip is required: a local address on the RDMA device's netdev (tools/rxe-vm exports RXE_VM_SELF_IP)");
 
   std::vector<Row> rows;
+  auto phase = [](const char* what) {
+    std::printf("running: %s\n", what);
+    std::fflush(stdout);
+  };
+  phase("raw RDMA SEND/RECV ping-pong");
   if (auto st = RunRdma(opt, rows); !st.ok()) return Fail("RDMA: " + st.ToString());
+  phase("raw TCP ping-pong");
   if (auto st = RunTcp(opt, rows); !st.ok()) return Fail("TCP: " + st.ToString());
+  phase("echo RPCs over rdma://");
   if (auto st = RunRpc(opt, "rdma", rows); !st.ok()) return Fail("RPC over rdma://: " + st.ToString());
+  phase("echo RPCs over tcp://");
   if (auto st = RunRpc(opt, "tcp", rows); !st.ok()) return Fail("RPC over tcp://: " + st.ToString());
 
   std::printf("\n%-8s %8s %8s %10s %10s %10s\n", "", "size_B", "iters", "p50_us", "p99_us", "max_us");

@@ -26,7 +26,7 @@ if [ "${1:-}" != --side ]; then
     --b "bash $(printf %q "$self") --side b $(printf %q "$fault_rpc") $calls $full" 2>&1 | tee "$log" || rc=$?
   echo
   echo "faults_rpc_netem: summary"
-  grep -E '^\[a\] (fault-rpc|rpc-netem):' "$log" || true
+  grep -E '^\[[ab]\] (fault-rpc|rpc-netem):' "$log" || true
   [ "$rc" = 0 ] || { echo "faults_rpc_netem: FAIL (rxe-vm exited $rc)"; exit 1; }
   grep -q '^\[a\] rpc-netem: PASS' "$log" || { echo "faults_rpc_netem: FAIL (no PASS line from a)"; exit 1; }
   echo "faults_rpc_netem: PASS"
@@ -58,7 +58,18 @@ if [ "$side" = b ]; then
   done
   touch "$ctl/rpc-netem-ready"
   for ((i = 0; i < 2000 * 5; i++)); do [ -e "$ctl/rpc-netem-done" ] && break; sleep 0.2; done
-  kill -TERM $pid; wait $pid || true
+  # A graceful shutdown (500 ms grace) must end the server promptly even if a
+  # client vanished without its disconnect reaching b (netem ate it).
+  kill -TERM $pid
+  for ((i = 0; i < 150; i++)); do kill -0 $pid 2>/dev/null || break; sleep 0.2; done
+  if kill -0 $pid 2>/dev/null; then
+    echo "rpc-netem: FAIL: the server was still running 30 s after SIGTERM; its log ends:"
+    tail -n 20 "$ctl/b-server.log"
+    kill -KILL $pid
+    exit 1
+  fi
+  wait $pid || true
+  echo "rpc-netem: server exited after SIGTERM"
   exit 0
 fi
 

@@ -214,6 +214,55 @@ std::pair<StatusCode, Resp> Sync(Call&& start) {
   return {ToStatusCode(ec), std::move(resp)};
 }
 
+// Raw transport connections (no channel) for speaking frames at a server.
+std::unique_ptr<transport::Connection> RawConnect(Env& env, const std::string& uri_text, TransportOptions opts) {
+  auto uri = transport::ParseUri(uri_text);
+  EXPECT_TRUE(uri.ok()) << uri.status();
+  if (!uri.ok()) return nullptr;
+  std::promise<std::unique_ptr<transport::Connection>> p;
+  env.OnIo([&] {
+    ConnectTo(env.io().get_executor(), *uri, opts, [&](absl::StatusOr<std::unique_ptr<transport::Connection>> c) {
+      EXPECT_TRUE(c.ok()) << c.status();
+      p.set_value(c.ok() ? std::move(*c) : nullptr);
+    });
+    return 0;
+  });
+  auto f = p.get_future();
+  return Get(f);
+}
+
+absl::Status RawSend(Env& env, transport::Connection* c, std::string bytes) {
+  std::promise<absl::Status> p;
+  env.OnIo([&] {
+    c->async_send(std::as_bytes(std::span<const char>(bytes.data(), bytes.size())),
+                  [&](absl::Status s) { p.set_value(s); });
+    return 0;
+  });
+  auto f = p.get_future();
+  return Get(f);
+}
+
+absl::StatusOr<std::string> RawReceive(Env& env, transport::Connection* c) {
+  std::promise<absl::StatusOr<std::string>> p;
+  env.OnIo([&] {
+    c->async_receive([&](absl::StatusOr<transport::Message> m) {
+      if (!m.ok()) return p.set_value(m.status());
+      p.set_value(std::string(reinterpret_cast<const char*>(m->data().data()), m->size()));
+    });
+    return 0;
+  });
+  auto f = p.get_future();
+  return Get(f);
+}
+
+std::string RawFrame(rpc::FrameHeader h, const std::string& payload) {
+  h.payload_length = static_cast<uint32_t>(payload.size());
+  std::string out(rpc::kFrameHeaderSize + payload.size(), '\0');
+  rpc::EncodeFrameHead(h, {}, std::as_writable_bytes(std::span<char>(out.data(), out.size())));
+  std::copy(payload.begin(), payload.end(), out.begin() + rpc::kFrameHeaderSize);
+  return out;
+}
+
 // Starts a Sleep of a minute and returns once the server's handler runs it.
 void StartLongSleep(Env& env, TestSvc::Stub& stub, ClientContext& ctx, Pending<Empty>& pending) {
   SleepRequest req;
@@ -474,50 +523,10 @@ TEST_P(RpcSuite, GarbageFramesCloseOnlyThatConnectionAndBadRequestsGetInvalidArg
   ClientContext warm;
   ASSERT_EQ(Sync<Payload>([&](auto t) { return stub.async_Echo(warm, Payload(), t); }).first, StatusCode::kOk);
 
-  auto uri = transport::ParseUri(uri_text);
-  ASSERT_TRUE(uri.ok());
-  auto opts = GetParam().options();
-  auto raw_connect = [&] {
-    std::promise<std::unique_ptr<transport::Connection>> p;
-    env.OnIo([&] {
-      ConnectTo(env.io().get_executor(), *uri, opts, [&](absl::StatusOr<std::unique_ptr<transport::Connection>> c) {
-        EXPECT_TRUE(c.ok()) << c.status();
-        p.set_value(c.ok() ? std::move(*c) : nullptr);
-      });
-      return 0;
-    });
-    auto f = p.get_future();
-    return Get(f);
-  };
-  auto send = [&](transport::Connection* c, std::string bytes) {
-    std::promise<absl::Status> p;
-    env.OnIo([&] {
-      c->async_send(std::as_bytes(std::span<const char>(bytes.data(), bytes.size())),
-                    [&](absl::Status s) { p.set_value(s); });
-      return 0;
-    });
-    auto f = p.get_future();
-    return Get(f);
-  };
-  auto receive = [&](transport::Connection* c) {
-    std::promise<absl::StatusOr<std::string>> p;
-    env.OnIo([&] {
-      c->async_receive([&](absl::StatusOr<transport::Message> m) {
-        if (!m.ok()) return p.set_value(m.status());
-        p.set_value(std::string(reinterpret_cast<const char*>(m->data().data()), m->size()));
-      });
-      return 0;
-    });
-    auto f = p.get_future();
-    return Get(f);
-  };
-  auto frame = [](rpc::FrameHeader h, const std::string& payload) {
-    h.payload_length = static_cast<uint32_t>(payload.size());
-    std::string out(rpc::kFrameHeaderSize + payload.size(), '\0');
-    rpc::EncodeFrameHead(h, {}, std::as_writable_bytes(std::span<char>(out.data(), out.size())));
-    std::copy(payload.begin(), payload.end(), out.begin() + rpc::kFrameHeaderSize);
-    return out;
-  };
+  auto raw_connect = [&] { return RawConnect(env, uri_text, GetParam().options()); };
+  auto send = [&](transport::Connection* c, std::string bytes) { return RawSend(env, c, std::move(bytes)); };
+  auto receive = [&](transport::Connection* c) { return RawReceive(env, c); };
+  auto frame = RawFrame;
 
   // 1. A well-formed frame whose payload is not a Payload: INVALID_ARGUMENT.
   auto good = raw_connect();
@@ -615,6 +624,97 @@ TEST_P(RpcSuite, ShutdownGraceExpiryCancelsHandlersAndFailsTheirCalls) {
   ASSERT_EQ(sf.wait_for(kRpcWait), std::future_status::ready);
   EXPECT_LT(Clock::now() - start, std::chrono::seconds(10));
   EXPECT_EQ(env.service.sleeps_cancelled, 1);
+}
+
+// A client that sends but never reads: its responses and the GOAWAY wait for
+// send space (TCP) or credits (RDMA) forever. Shutdown must still complete,
+// closing that connection once the grace period is over.
+TEST_P(RpcSuite, ShutdownClosesAConnectionThatNeverDrainsAfterTheGracePeriod) {
+  Env env(GetParam());
+  auto uri = env.StartServer();
+  auto channel = env.NewChannel(uri);
+  TestSvc::Stub stub(channel);
+  ClientContext warm;
+  ASSERT_EQ(Sync<Payload>([&](auto t) { return stub.async_Echo(warm, Payload(), t); }).first, StatusCode::kOk);
+  auto deaf_options = GetParam().options();
+  deaf_options.tcp.max_queued_messages = 1;  // TCP: stop reading the socket after one queued message
+  auto deaf = RawConnect(env, uri, deaf_options);
+  ASSERT_NE(deaf, nullptr);
+  Payload big;
+  big.set_data(std::string(1 << 20, 'r'));
+  const std::string body = big.SerializeAsString();
+  constexpr int kRequests = 48;  // 48 MiB of responses: more than any socket buffer or credit window
+  for (int i = 0; i < kRequests; ++i) {
+    rpc::FrameHeader h;
+    h.type = rpc::FrameType::kRequest;
+    h.method_id = TestSvc::kEchoId;
+    h.call_id = static_cast<uint64_t>(i + 1);
+    ASSERT_TRUE(RawSend(env, deaf.get(), RawFrame(h, body)).ok());
+  }
+  // The server has answered what it could; the rest waits on the deaf client.
+  std::this_thread::sleep_for(milliseconds(300));
+  auto shut = std::make_shared<std::promise<void>>();  // outlives a failed wait
+  auto sf = shut->get_future();
+  const auto start = Clock::now();
+  env.OnIo([&] {
+    env.server().async_shutdown(milliseconds(200), [shut] { shut->set_value(); });
+    return 0;
+  });
+  ASSERT_EQ(sf.wait_for(kRpcWait), std::future_status::ready)
+      << "shutdown waited for a client that never reads";
+  EXPECT_LT(Clock::now() - start, std::chrono::seconds(10));
+  EXPECT_EQ(env.OnIo([&] { return env.server().stats().connections_open; }), 0u);
+  env.OnIo([&] {
+    deaf->Close();
+    deaf.reset();
+    return 0;
+  });
+}
+
+// A program that shuts its server down and closes its channel must see its
+// io_context run out of work: nothing rdmarpc parked (worker coroutines,
+// pollers, CM channels, timers) may keep run() from returning.
+TEST_P(RpcSuite, AfterShutdownAndCloseTheIoContextRunsOutOfWork) {
+  asio::io_context io;
+  TestService service;
+  ServerOptions so;
+  so.listen = {GetParam().listen_uri};
+  so.transport = GetParam().options();
+  Server server(io.get_executor(), so);
+  ASSERT_TRUE(server.AddService(service).ok());
+  ASSERT_TRUE(server.Start().ok());
+  ChannelOptions co;
+  co.transport = GetParam().options();
+  auto channel = Channel::Create(io.get_executor(), server.local_uris().at(0), co);
+  ASSERT_TRUE(channel.ok()) << channel.status();
+  TestSvc::Stub stub(*channel);
+  int ok_calls = 0;
+  bool shut = false;
+  asio::co_spawn(
+      io,
+      [&]() -> asio::awaitable<void> {
+        Payload req, resp;
+        req.set_data(std::string(100, 'w'));
+        for (int i = 0; i < 20; ++i) {  // several handlers in flight: several parked workers
+          std::vector<ClientContext> ctxs(4);
+          std::vector<Payload> resps(4);
+          int done = 0;
+          for (int k = 0; k < 4; ++k)
+            stub.async_Echo(ctxs[k], req, resps[k], [&](boost::system::error_code ec) {
+              if (!ec) ++ok_calls;
+              ++done;
+            });
+          while (done < 4) co_await asio::post(io, asio::use_awaitable);
+        }
+      },
+      [&](std::exception_ptr) {
+        (*channel)->Close();
+        server.async_shutdown(milliseconds(500), [&] { shut = true; });
+      });
+  io.run_for(std::chrono::seconds(30));
+  EXPECT_EQ(ok_calls, 80);
+  EXPECT_TRUE(shut) << "shutdown did not complete";
+  EXPECT_TRUE(io.stopped()) << "io_context still has work 30 s after shutdown and close";
 }
 
 TEST_P(RpcSuite, ServerGoneMidCallFailsTheCallUnavailableBeforeItsDeadline) {
