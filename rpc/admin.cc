@@ -278,6 +278,8 @@ std::string RenderPrometheus(const ServerMetrics& metrics, const ServerStats& st
       {"rdmarpc_server_calls_cancelled_total", "counter", stats.calls_cancelled,
        "Calls cancelled (client cancel, deadline, disconnect, shutdown)."},
       {"rdmarpc_server_bad_frames_total", "counter", stats.bad_frames, "Connections closed for a malformed frame."},
+      {"rdmarpc_server_keepalive_closed_total", "counter", stats.keepalive_closed,
+       "Connections closed because the client answered no keepalive PING (host down, partition)."},
       {"rdmarpc_server_unknown_method_calls_total", "counter", stats.unknown_methods,
        "Requests for a method this server does not serve (answered UNIMPLEMENTED)."},
   };

@@ -54,6 +54,7 @@ class Channel::Impl : public std::enable_shared_from_this<Impl> {
         target_(std::move(target)),
         options_(std::move(options)),
         backoff_timer_(ex_),
+        keepalive_timer_(ex_),
         backoff_(options_.initial_backoff),
         rng_(std::random_device{}()) {}
 
@@ -86,6 +87,7 @@ class Channel::Impl : public std::enable_shared_from_this<Impl> {
     // Calls waiting for send space (the transport's Prepare() said
     // RESOURCE_EXHAUSTED: all send slots busy); retried as sends complete.
     std::deque<Ref> blocked;
+    internal::Keepalive keepalive{internal::Keepalive::Clock::now()};
   };
   enum class CallState { kFree, kQueued, kBlocked, kSent };
   struct Call {
@@ -141,6 +143,7 @@ class Channel::Impl : public std::enable_shared_from_this<Impl> {
   void ConnFailed(const std::shared_ptr<Conn>& conn, const Status& why);
   void FailCallsOn(const std::shared_ptr<Conn>* conn, const Status& status, bool include_queued);
   void EnterBackoff();
+  void ArmKeepalive();
   void CompleteWaiters(const Status& status);
 
   asio::any_io_executor ex_;
@@ -158,6 +161,8 @@ class Channel::Impl : public std::enable_shared_from_this<Impl> {
   size_t outstanding_ = 0;
   uint64_t next_call_id_ = 1;
   asio::steady_timer backoff_timer_;
+  asio::steady_timer keepalive_timer_;
+  bool keepalive_armed_ = false;
   std::chrono::milliseconds backoff_;
   std::minstd_rand rng_;
   std::vector<asio::any_completion_handler<void(boost::system::error_code)>> waiters_;
@@ -417,6 +422,7 @@ void Channel::Impl::OnConnected(absl::StatusOr<std::unique_ptr<Connection>> resu
   last_error_ = Status();
   RDMARPC_LOG(kInfo, "channel", "event=established target=", target_, " peer=", *conn->peer);
   Receive(conn);
+  if (!keepalive_armed_ && internal::Keepalive::Enabled(options_.keepalive)) ArmKeepalive();
   for (Ref r : std::exchange(queued_, {}))
     if (r.live() && r.call->state == CallState::kQueued && conn_ == conn) Send(r.call);
   CompleteWaiters(Status());
@@ -442,6 +448,34 @@ void Channel::Impl::EnterBackoff() {
   });
 }
 
+// Sweeps the current connection while there is one; stops (and is re-armed by
+// the next connect) when there is none, so an idle closed channel holds no timer.
+void Channel::Impl::ArmKeepalive() {
+  keepalive_armed_ = true;
+  keepalive_timer_.expires_after(internal::Keepalive::Tick(options_.keepalive));
+  keepalive_timer_.async_wait(transport::WithHandlerMemory([weak = weak_from_this()](boost::system::error_code ec) {
+    auto self = weak.lock();
+    if (!self) return;
+    self->keepalive_armed_ = false;
+    if (ec || self->closed_ || !self->conn_ || self->conn_->dead) return;
+    const std::shared_ptr<Conn> conn = self->conn_;
+    switch (conn->keepalive.Sweep(internal::Keepalive::Clock::now(), self->options_.keepalive)) {
+      case internal::Keepalive::Action::kNone:
+        break;
+      case internal::Keepalive::Action::kPing:
+        self->SendControl(conn, rpc::FrameType::kPing, 0);
+        break;
+      case internal::Keepalive::Action::kDead:
+        ++self->stats_.keepalive_timeouts;
+        self->ConnFailed(conn, UnavailableError(absl::StrCat("keepalive: nothing from the server within ",
+                                                             self->options_.keepalive.timeout.count(),
+                                                             " ms of a PING (its host is down or unreachable)")));
+        break;
+    }
+    if (!self->keepalive_armed_ && self->conn_ && !self->closed_) self->ArmKeepalive();
+  }));
+}
+
 void Channel::Impl::Receive(std::shared_ptr<Conn> conn) {
   Connection* c = conn->c.get();
   c->Receive(transport::WithHandlerMemory([self = shared_from_this(), conn = std::move(conn)](absl::StatusOr<Message> m) {
@@ -454,6 +488,7 @@ void Channel::Impl::OnReceive(const std::shared_ptr<Conn>& conn, absl::StatusOr<
     ConnFailed(conn, Status::FromAbsl(message.status()));
     return;
   }
+  conn->keepalive.OnFrame();
   rpc::DecodedFrame f;
   if (auto st = rpc::DecodeFrame(message->data(), f); !st.ok()) {
     RDMARPC_LOG(kWarn, "channel", "event=bad_frame target=", target_, " error=\"", st.message(), "\"");
@@ -554,6 +589,7 @@ void Channel::Impl::Close() {
   closed_ = true;
   state_ = State::kClosed;
   backoff_timer_.cancel();
+  keepalive_timer_.cancel();
   auto conn = std::exchange(conn_, nullptr);
   FailCallsOn(nullptr, CancelledError("channel to " + target_ + " closed"), true);
   if (conn && !conn->dead) {

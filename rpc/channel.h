@@ -32,6 +32,7 @@
 #include "absl/status/statusor.h"
 #include "rpc/call.h"
 #include "rpc/endpoint.h"
+#include "rpc/keepalive.h"
 
 namespace rdmarpc {
 
@@ -42,6 +43,12 @@ struct ChannelOptions {
   std::chrono::milliseconds max_backoff{2'000};
   // Calls in flight at most; more fail with RESOURCE_EXHAUSTED.
   size_t max_outstanding_calls = 65'536;
+  // A connection silent for keepalive.interval gets a PING; if nothing comes
+  // back within keepalive.timeout it is declared dead: its calls fail
+  // UNAVAILABLE (before their deadlines) and the next call reconnects. This is
+  // how a server whose host died after taking calls is found. interval 0 turns
+  // it off (rpc/keepalive.h).
+  KeepaliveOptions keepalive;
 };
 
 struct ChannelStats {
@@ -51,6 +58,7 @@ struct ChannelStats {
   uint64_t connects = 0;         // Successful connection set-ups.
   uint64_t connect_failures = 0;
   uint64_t late_responses = 0;   // Responses for calls already completed (deadline/cancel).
+  uint64_t keepalive_timeouts = 0;  // Connections declared dead: no answer to a PING.
 };
 
 class Channel final : public ChannelInterface {

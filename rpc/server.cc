@@ -39,7 +39,7 @@ constexpr std::chrono::milliseconds kShutdownLinger{250};
 class Server::Impl : public std::enable_shared_from_this<Impl> {
  public:
   Impl(asio::any_io_executor ex, ServerOptions options)
-      : ex_(std::move(ex)), options_(std::move(options)), grace_timer_(ex_) {}
+      : ex_(std::move(ex)), options_(std::move(options)), grace_timer_(ex_), keepalive_timer_(ex_) {}
   // Parked workers hold no reference to the server; destroying their resume
   // handlers unwinds their coroutines (through the executor, as Asio does).
   ~Impl() { ReleaseIdleWorkers(); }
@@ -98,6 +98,8 @@ class Server::Impl : public std::enable_shared_from_this<Impl> {
       CallPtr call;
     };
     std::deque<Pending> pending;
+    internal::Keepalive keepalive{internal::Keepalive::Clock::now()};
+    bool keepalive_dead = false;
   };
   struct Call {
     explicit Call(const asio::any_io_executor& ex) : deadline_timer(ex) {}
@@ -138,6 +140,8 @@ class Server::Impl : public std::enable_shared_from_this<Impl> {
   void SendControl(const std::shared_ptr<Conn>& conn, rpc::FrameType type, bool close_after);
   void CloseConn(const std::shared_ptr<Conn>& conn, const Status& why);
   void MaybeCloseDrained(const std::shared_ptr<Conn>& conn);
+  void ArmKeepalive();
+  void SweepKeepalive();
   void MaybeFinishShutdown();
   std::string ServiceNames() const;
   AdminResponse AdminPage(std::string_view path) const;
@@ -155,6 +159,7 @@ class Server::Impl : public std::enable_shared_from_this<Impl> {
   bool shutting_down_ = false;
   bool stopped_ = false;
   asio::steady_timer grace_timer_;
+  asio::steady_timer keepalive_timer_;
   std::vector<asio::any_completion_handler<void()>> shutdown_waiters_;
   ServerStats stats_;
   ServerMetrics metrics_;
@@ -241,7 +246,46 @@ Status Server::Impl::Start() {
     RDMARPC_LOG(kInfo, "server", "event=listening uri=", l->local_uri());
     Accept(l.get());
   }
+  if (internal::Keepalive::Enabled(options_.keepalive)) ArmKeepalive();
   return Status();
+}
+
+void Server::Impl::ArmKeepalive() {
+  keepalive_timer_.expires_after(internal::Keepalive::Tick(options_.keepalive));
+  keepalive_timer_.async_wait(transport::WithHandlerMemory([weak = weak_from_this()](boost::system::error_code ec) {
+    auto self = weak.lock();
+    if (ec || !self || self->stopped_) return;
+    self->SweepKeepalive();
+    self->ArmKeepalive();
+  }));
+}
+
+void Server::Impl::SweepKeepalive() {
+  const auto now = internal::Keepalive::Clock::now();
+  bool any_dead = false;
+  for (const auto& conn : conns_) {  // no copy: a sweep must not allocate
+    switch (conn->keepalive.Sweep(now, options_.keepalive)) {
+      case internal::Keepalive::Action::kNone:
+        break;
+      case internal::Keepalive::Action::kPing:
+        SendControl(conn, rpc::FrameType::kPing, false);
+        break;
+      case internal::Keepalive::Action::kDead:
+        conn->keepalive_dead = true;
+        any_dead = true;
+        break;
+    }
+  }
+  if (!any_dead) return;
+  for (auto conn : std::vector(conns_)) {
+    if (!conn->keepalive_dead) continue;
+    ++stats_.keepalive_closed;
+    RDMARPC_LOG(kWarn, "server", "event=keepalive_timeout conn=", conn->id, " peer=", conn->peer,
+                " calls=", conn->calls.size(), " action=close_connection");
+    CloseConn(conn, UnavailableError(absl::StrCat("keepalive: nothing from the client within ",
+                                                  options_.keepalive.timeout.count(),
+                                                  " ms of a PING (its host is down or unreachable)")));
+  }
 }
 
 void Server::Impl::Accept(transport::Listener* listener) {
@@ -290,6 +334,7 @@ void Server::Impl::OnReceive(const std::shared_ptr<Conn>& conn, absl::StatusOr<M
     CloseConn(conn, Status::FromAbsl(message.status()));
     return;
   }
+  conn->keepalive.OnFrame();
   rpc::DecodedFrame f;
   if (auto st = rpc::DecodeFrame(message->data(), f); !st.ok()) {
     ++stats_.bad_frames;
@@ -639,6 +684,7 @@ void Server::Impl::MaybeFinishShutdown() {
   // Nothing is left to serve: parked worker coroutines would keep the
   // io_context running too (run() would never return after a shutdown).
   stopped_ = true;
+  keepalive_timer_.cancel();
   ReleaseIdleWorkers();
   for (auto& w : std::exchange(shutdown_waiters_, {})) transport::PostCompletion(ex_, std::move(w));
 }
@@ -648,6 +694,7 @@ void Server::Impl::Stop() {
   stopped_ = true;
   shutting_down_ = true;
   grace_timer_.cancel();
+  keepalive_timer_.cancel();
   for (auto& l : listeners_) l->Close();
   if (admin_) admin_->Close();
   for (auto conn : std::vector(conns_)) CloseConn(conn, UnavailableError("server stopped"));

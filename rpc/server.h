@@ -36,6 +36,7 @@
 #include <boost/asio/async_result.hpp>
 
 #include "rpc/endpoint.h"
+#include "rpc/keepalive.h"
 #include "rpc/metrics.h"
 #include "rpc/service.h"
 #include "rpc/status.h"
@@ -65,6 +66,13 @@ struct ServerOptions {
   // free port (see admin_uri()). Empty: no endpoint. Bind 127.0.0.1 unless
   // the numbers may be read by the whole network.
   std::string admin_listen;
+  // A connection silent for keepalive.interval gets a PING; one that sends
+  // nothing within keepalive.timeout after it is closed (event=keepalive_timeout)
+  // and everything its client held is freed: a client whose host died, or
+  // whose disconnect never arrived, is gone within interval + timeout + 2 x
+  // min(interval, timeout) / 4 of its last frame (defaults: 25 s).
+  // interval 0 turns it off (rpc/keepalive.h).
+  KeepaliveOptions keepalive;
 };
 
 struct ServerStats {
@@ -77,6 +85,7 @@ struct ServerStats {
   uint64_t calls_in_flight = 0;
   uint64_t calls_cancelled = 0;       // Client cancel, deadline, or disconnect.
   uint64_t bad_frames = 0;            // Connections closed for a malformed frame.
+  uint64_t keepalive_closed = 0;      // Closed: no answer to a keepalive PING.
   uint64_t unknown_methods = 0;
 };
 

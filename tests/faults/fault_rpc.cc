@@ -51,9 +51,10 @@ using Clock = std::chrono::steady_clock;
 
 [[noreturn]] void Usage(const std::string& why) {
   std::fprintf(stderr,
-               "fault_rpc: %s\nusage: fault_rpc serve --listen=URI\n"
+               "fault_rpc: %s\nusage: fault_rpc serve --listen=URI [--keepalive-ms=INTERVAL,TIMEOUT]\n"
                "       fault_rpc drive --target=URI --calls=N [--concurrency=C] [--sizes=LIST] [--deadline-ms=D]\n"
-               "                       [--bound-ms=B] [--label=TEXT] [--expect=ok|any]\n",
+               "                       [--bound-ms=B] [--label=TEXT] [--expect=ok|any] [--keepalive-ms=I,T]\n"
+               "                       [--stop-on-failure] [--server-gone]\n",
                why.c_str());
   std::exit(2);
 }
@@ -63,8 +64,11 @@ std::map<std::string, std::string> Flags(int argc, char** argv) {
   for (int i = 2; i < argc; ++i) {
     std::string a = argv[i];
     const auto eq = a.find('=');
-    if (a.rfind("--", 0) != 0 || eq == std::string::npos) Usage("bad argument " + a);
-    f[a.substr(2, eq - 2)] = a.substr(eq + 1);
+    if (a.rfind("--", 0) != 0) Usage("bad argument " + a);
+    if (eq == std::string::npos)
+      f[a.substr(2)] = "1";  // a switch
+    else
+      f[a.substr(2, eq - 2)] = a.substr(eq + 1);
   }
   return f;
 }
@@ -95,6 +99,19 @@ class FaultService final : public rdmarpc::test::Fault::Service {
   absl::flat_hash_map<uint64_t, uint32_t> runs_;
 };
 
+// --keepalive-ms=INTERVAL,TIMEOUT (absent: the library's defaults).
+void KeepaliveFlag(const std::map<std::string, std::string>& f, KeepaliveOptions& k) {
+  auto it = f.find("keepalive-ms");
+  if (it == f.end()) return;
+  std::vector<std::string> parts = absl::StrSplit(it->second, ',');
+  int interval = 0, timeout = 0;
+  if (parts.size() != 2 || !absl::SimpleAtoi(parts[0], &interval) || !absl::SimpleAtoi(parts[1], &timeout) ||
+      interval < 0 || timeout < 0)
+    Usage("--keepalive-ms takes INTERVAL,TIMEOUT in milliseconds (0,0: off)");
+  k.interval = std::chrono::milliseconds(interval);
+  k.timeout = std::chrono::milliseconds(timeout);
+}
+
 int Serve(const std::map<std::string, std::string>& f) {
   auto it = f.find("listen");
   if (it == f.end()) Usage("serve needs --listen=URI");
@@ -102,6 +119,7 @@ int Serve(const std::map<std::string, std::string>& f) {
   FaultService service;
   ServerOptions so;
   so.listen = {it->second};
+  KeepaliveFlag(f, so.keepalive);
   auto server = std::make_shared<Server>(io.get_executor(), so);
   if (auto st = server->AddService(service); !st.ok()) {
     std::fprintf(stderr, "fault_rpc: %s\n", st.ToString().c_str());
@@ -142,9 +160,14 @@ int Drive(const std::map<std::string, std::string>& f) {
   }
   const std::string label = get("label", "run");
   const bool expect_ok = get("expect", "ok") == "ok";
+  // The server's host is to die during the run: stop issuing once a call
+  // fails, and do not ask the server for its handler counts afterwards.
+  const bool stop_on_failure = f.count("stop-on-failure") != 0;
+  const bool server_gone = f.count("server-gone") != 0;
 
   asio::io_context io;
   ChannelOptions co;
+  KeepaliveFlag(f, co.keepalive);
   auto channel = Channel::Create(io.get_executor(), target, co);
   if (!channel.ok()) {
     std::fprintf(stderr, "fault_rpc: %s\n", channel.status().ToString().c_str());
@@ -163,6 +186,9 @@ int Drive(const std::map<std::string, std::string>& f) {
   std::vector<uint32_t> completions(calls, 0);
   std::map<std::string, uint64_t> by_status;
   uint64_t next = 0, done = 0, corrupt = 0, late = 0;
+  bool failed = false;
+  int64_t first_failure_unix_ms = 0;
+  int in_flight = 0;
   double max_latency_ms = 0, max_over_deadline_ms = -1e9;
   const auto start = Clock::now();
   std::string expected;
@@ -179,11 +205,19 @@ int Drive(const std::map<std::string, std::string>& f) {
     s.req.set_id(id);
     Fill(*s.req.mutable_data(), id, sizes[seq % sizes.size()]);
     const auto sent = Clock::now();
+    ++in_flight;
     stub.async_Echo(s.ctx, s.req, s.resp, [&, i, id, seq, sent](boost::system::error_code ec) {
       Slot& d = *slots[static_cast<size_t>(i)];
       const auto now = Clock::now();
       ++completions[seq];
       ++done;
+      --in_flight;
+      if (ec && !failed) {
+        failed = true;
+        first_failure_unix_ms = std::chrono::duration_cast<std::chrono::milliseconds>(
+                                    std::chrono::system_clock::now().time_since_epoch())
+                                    .count();
+      }
       ++by_status[std::string(StatusCodeName(d.ctx.status().code()))];
       if (!ec) {
         Fill(expected, id, sizes[seq % sizes.size()]);
@@ -193,8 +227,8 @@ int Drive(const std::map<std::string, std::string>& f) {
       const double over = std::chrono::duration<double, std::milli>(now - d.deadline).count();
       max_over_deadline_ms = std::max(max_over_deadline_ms, over);
       if (over > bound_ms) ++late;
-      if (next < calls) issue(i);
-      if (done == calls) io.stop();
+      if (next < calls && !(stop_on_failure && failed)) issue(i);
+      if (done == calls || (stop_on_failure && failed && in_flight == 0)) io.stop();
     });
   };
   for (int i = 0; i < concurrency && next < calls; ++i) issue(i);
@@ -216,7 +250,9 @@ int Drive(const std::map<std::string, std::string>& f) {
   // The server's count of handler runs (after the round; the wire is the same).
   uint64_t duplicates = 0, requests = 0;
   bool stats_ok = false;
-  {
+  if (server_gone) {
+    stats_ok = true;  // nobody to ask
+  } else {
     ClientContext ctx;
     ctx.set_timeout(std::chrono::seconds(60));
     ctx.set_wait_for_ready(true);
@@ -235,9 +271,9 @@ int Drive(const std::map<std::string, std::string>& f) {
   io.run_for(std::chrono::milliseconds(200));
 
   uint64_t never = 0, twice = 0;
-  for (uint64_t c : completions) {
-    if (c == 0) ++never;
-    if (c > 1) ++twice;
+  for (uint64_t seq = 0; seq < next; ++seq) {  // every call issued (all of them unless stopped on failure)
+    if (completions[seq] == 0) ++never;
+    if (completions[seq] > 1) ++twice;
   }
   std::string statuses;
   for (const auto& [name, n] : by_status) absl::StrAppend(&statuses, statuses.empty() ? "" : ",", name, "=", n);
@@ -247,12 +283,13 @@ int Drive(const std::map<std::string, std::string>& f) {
   std::printf(
       "fault-rpc: %s calls=%llu seconds=%.1f statuses={%s} completed_never=%llu completed_twice=%llu corrupt=%llu "
       "late=%llu max_latency_ms=%.0f max_past_deadline_ms=%.0f server_handler_runs=%llu server_duplicates=%llu%s "
-      "%s\n",
-      label.c_str(), static_cast<unsigned long long>(calls), secs, statuses.c_str(),
+      "first_failure_unix_ms=%lld %s\n",
+      label.c_str(), static_cast<unsigned long long>(next), secs, statuses.c_str(),
       static_cast<unsigned long long>(never), static_cast<unsigned long long>(twice),
       static_cast<unsigned long long>(corrupt), static_cast<unsigned long long>(late), max_latency_ms,
       max_over_deadline_ms, static_cast<unsigned long long>(requests), static_cast<unsigned long long>(duplicates),
-      stats_ok ? "" : " (server stats unavailable)", pass ? "PASS" : "FAIL");
+      stats_ok ? "" : " (server stats unavailable)", static_cast<long long>(first_failure_unix_ms),
+      pass ? "PASS" : "FAIL");
   return pass ? 0 : 1;
 }
 

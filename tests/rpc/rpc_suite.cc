@@ -717,6 +717,89 @@ TEST_P(RpcSuite, AfterShutdownAndCloseTheIoContextRunsOutOfWork) {
   EXPECT_TRUE(io.stopped()) << "io_context still has work 30 s after shutdown and close";
 }
 
+// Keepalive. A raw transport connection is a peer whose host is gone as far as
+// the RPC layer can tell: it never answers a PING.
+TEST_P(RpcSuite, ServerKeepaliveClosesAConnectionThatAnswersNoPing) {
+  Env env(GetParam());
+  auto uri = env.StartServer("", [](ServerOptions& o) { o.keepalive = {milliseconds(100), milliseconds(200)}; });
+  auto silent = RawConnect(env, uri, GetParam().options());
+  ASSERT_NE(silent, nullptr);
+  const auto start = Clock::now();
+  auto ping = RawReceive(env, silent.get());
+  ASSERT_TRUE(ping.ok()) << ping.status();
+  rpc::DecodedFrame f;
+  ASSERT_TRUE(rpc::DecodeFrame(std::as_bytes(std::span<const char>(ping->data(), ping->size())), f).ok());
+  EXPECT_EQ(f.header.type, rpc::FrameType::kPing);
+  EXPECT_FALSE(RawReceive(env, silent.get()).ok()) << "the server kept a connection that answers no PING";
+  EXPECT_LT(Clock::now() - start, std::chrono::seconds(10));
+  EXPECT_EQ(env.OnIo([&] { return env.server().stats().keepalive_closed; }), 1u);
+  EXPECT_EQ(env.OnIo([&] { return env.server().stats().connections_open; }), 0u);
+  env.OnIo([&] {
+    silent->Close();
+    silent.reset();
+    return 0;
+  });
+}
+
+TEST_P(RpcSuite, ChannelKeepaliveFailsCallsToAServerThatAnswersNoPing) {
+  Env env(GetParam());
+  // A "server" that accepts and then says nothing, ever: a host that died
+  // after taking the call.
+  auto opts = GetParam().options();
+  auto listen_uri = transport::ParseUri(GetParam().listen_uri);
+  ASSERT_TRUE(listen_uri.ok());
+  std::unique_ptr<transport::Listener> listener;
+  std::unique_ptr<transport::Connection> accepted;
+  std::string uri = env.OnIo([&] {
+    auto l = ListenOn(env.io().get_executor(), *listen_uri, opts);
+    EXPECT_TRUE(l.ok()) << l.status();
+    if (!l.ok()) return std::string();
+    listener = std::move(*l);
+    listener->Accept([&](absl::StatusOr<std::unique_ptr<transport::Connection>> c) {
+      if (c.ok()) accepted = std::move(*c);
+    });
+    return listener->local_uri();
+  });
+  ASSERT_FALSE(uri.empty());
+  auto channel = env.NewChannel(uri, [](ChannelOptions& o) { o.keepalive = {milliseconds(100), milliseconds(200)}; });
+  TestSvc::Stub stub(channel);
+  ClientContext ctx;
+  ctx.set_timeout(std::chrono::seconds(50));
+  const auto start = Clock::now();
+  auto [code, resp] = Sync<Payload>([&](auto t) { return stub.async_Echo(ctx, Payload(), t); });
+  EXPECT_EQ(code, StatusCode::kUnavailable) << ctx.status().ToString();
+  EXPECT_NE(ctx.status().message().find("keepalive"), std::string::npos) << ctx.status().ToString();
+  EXPECT_LT(Clock::now() - start, std::chrono::seconds(10)) << "the call waited for its deadline";
+  EXPECT_EQ(env.OnIo([&] { return channel->stats().keepalive_timeouts; }), 1u);
+  env.OnIo([&] {
+    channel->Close();
+    if (accepted) accepted->Close();
+    listener->Close();
+    accepted.reset();
+    listener.reset();
+    return 0;
+  });
+}
+
+TEST_P(RpcSuite, KeepaliveLeavesIdleAndSlowCallsAlone) {
+  Env env(GetParam());
+  const KeepaliveOptions fast{milliseconds(50), milliseconds(150)};
+  auto uri = env.StartServer("", [&](ServerOptions& o) { o.keepalive = fast; });
+  auto channel = env.NewChannel(uri, [&](ChannelOptions& o) { o.keepalive = fast; });
+  TestSvc::Stub stub(channel);
+  ClientContext first;
+  ASSERT_EQ(Sync<Payload>([&](auto t) { return stub.async_Echo(first, Payload(), t); }).first, StatusCode::kOk);
+  std::this_thread::sleep_for(milliseconds(1000));  // idle: both sides ping, both answer
+  SleepRequest slow;
+  slow.set_ms(800);  // a handler far longer than interval + timeout: the connection stays quiet
+  ClientContext second;
+  EXPECT_EQ(Sync<Empty>([&](auto t) { return stub.async_Sleep(second, slow, t); }).first, StatusCode::kOk)
+      << second.status().ToString();
+  EXPECT_EQ(env.OnIo([&] { return channel->stats().connects; }), 1u);
+  EXPECT_EQ(env.OnIo([&] { return channel->stats().keepalive_timeouts; }), 0u);
+  EXPECT_EQ(env.OnIo([&] { return env.server().stats().keepalive_closed; }), 0u);
+}
+
 TEST_P(RpcSuite, ServerGoneMidCallFailsTheCallUnavailableBeforeItsDeadline) {
   Env env(GetParam());
   auto channel = env.NewChannel(env.StartServer());

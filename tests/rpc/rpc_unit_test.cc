@@ -13,6 +13,7 @@
 #include "rdmarpc/test/rpc_test_mock.rdmarpc.pb.h"
 #include "rpc/channel.h"
 #include "rpc/frame.h"
+#include "rpc/keepalive.h"
 #include "rpc/server.h"
 #include "rpc/status.h"
 
@@ -247,6 +248,40 @@ TEST(GeneratedMock, DrivesARealStubWithExpectations) {
   EXPECT_EQ(echoed, "mocked:hi");
   EXPECT_EQ(failed, StatusCode::kPermissionDenied);
   EXPECT_EQ(c2.status().message(), "denied by the mock");
+}
+
+TEST(Keepalive, PingsAfterSilenceDeclaresDeadAfterTimeoutAndAnyFrameResets) {
+  using internal::Keepalive;
+  using ms = std::chrono::milliseconds;
+  const KeepaliveOptions o{ms(1000), ms(500)};
+  const auto t0 = Keepalive::Clock::now();
+  Keepalive k(t0);
+  EXPECT_EQ(k.Sweep(t0 + ms(999), o), Keepalive::Action::kNone);   // not silent long enough
+  EXPECT_EQ(k.Sweep(t0 + ms(1000), o), Keepalive::Action::kPing);  // silent for interval
+  EXPECT_EQ(k.Sweep(t0 + ms(1200), o), Keepalive::Action::kNone);  // one PING, not one per sweep
+  k.OnFrame();                                                      // the PONG (or any frame)
+  EXPECT_EQ(k.Sweep(t0 + ms(1400), o), Keepalive::Action::kNone);
+  EXPECT_EQ(k.Sweep(t0 + ms(2399), o), Keepalive::Action::kNone);  // silence counts from the frame
+  EXPECT_EQ(k.Sweep(t0 + ms(2400), o), Keepalive::Action::kPing);
+  EXPECT_EQ(k.Sweep(t0 + ms(2899), o), Keepalive::Action::kNone);
+  EXPECT_EQ(k.Sweep(t0 + ms(2900), o), Keepalive::Action::kDead);  // nothing within timeout of the PING
+}
+
+TEST(Keepalive, BusyConnectionNeverPingsAndZeroTurnsItOff) {
+  using internal::Keepalive;
+  using ms = std::chrono::milliseconds;
+  const KeepaliveOptions o{ms(100), ms(100)};
+  const auto t0 = Keepalive::Clock::now();
+  Keepalive k(t0);
+  for (int i = 1; i <= 100; ++i) {
+    k.OnFrame();
+    EXPECT_EQ(k.Sweep(t0 + ms(50 * i), o), Keepalive::Action::kNone) << i;
+  }
+  EXPECT_TRUE(Keepalive::Enabled(o));
+  EXPECT_FALSE(Keepalive::Enabled(KeepaliveOptions{ms(0), ms(100)}));
+  EXPECT_FALSE(Keepalive::Enabled(KeepaliveOptions{ms(100), ms(0)}));
+  EXPECT_EQ(Keepalive::Tick(KeepaliveOptions{ms(10'000), ms(2'000)}), ms(500));
+  EXPECT_EQ(Keepalive::Tick(KeepaliveOptions{ms(20), ms(20)}), ms(10));
 }
 
 }  // namespace
