@@ -55,6 +55,7 @@ TransportUnderTest Rdma(rdma::PollMode mode) {
     c(std::move(ex), uri, "", std::move(handler));
   };
   t.max_message_size = options.max_message_size;
+  t.busy_polling = mode == rdma::PollMode::kBusy;
   return t;
 }
 

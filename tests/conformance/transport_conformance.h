@@ -39,6 +39,9 @@ struct TransportUnderTest {
   // Connects to listener->local_uri().
   std::function<void(asio::any_io_executor, const std::string& uri, transport::Listener::AcceptHandler)> connect;
   size_t max_message_size;
+  // Each connection end has a thread spinning on its completions (RDMA busy
+  // polling): tests with many connections must not assume spare cores.
+  bool busy_polling = false;
   // listen/connect with a shared-secret auth token (empty: none), for the
   // authentication tests (transport/common/auth.h); they skip when unset.
   std::function<absl::StatusOr<std::unique_ptr<transport::Listener>>(asio::any_io_executor, const std::string& token)>

@@ -174,12 +174,22 @@ class ThreadPoller final : public Poller {
   void Loop() {
     using Clock = std::chrono::steady_clock;
     auto idle_since = Clock::now();
+    uint32_t empty_polls = 0;
     while (!stop_.load(std::memory_order_relaxed)) {
       if (Drain()) {
         idle_since = Clock::now();
+        empty_polls = 0;
         continue;
       }
-      if (mode_ == PollMode::kBusy || Clock::now() - idle_since < spin_) continue;
+      if (mode_ == PollMode::kBusy) {
+        // On a core of its own this returns at once. When pollers outnumber
+        // cores (many connections, a small VM) it lets the others, and the
+        // io_context threads they feed, run: pure spinning starved them
+        // (8 busy connections on 2 vCPUs stalled for a minute).
+        if (++empty_polls % kPollsPerYield == 0) sched_yield();
+        continue;
+      }
+      if (Clock::now() - idle_since < spin_) continue;
       // Adaptive: arm, drain once more (closes the race), then sleep.
       ibv_req_notify_cq(cq_, 0);
       if (Drain()) {
@@ -193,6 +203,7 @@ class ThreadPoller final : public Poller {
     }
   }
 
+  static constexpr uint32_t kPollsPerYield = 256;  // empty polls between sched_yield()s (busy mode)
   PollMode mode_;
   asio::any_io_executor ex_;
   ibv_cq* cq_;
