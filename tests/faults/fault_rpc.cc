@@ -15,6 +15,7 @@
 //         - the server ran no handler twice (its Stats after the round).
 //       Prints one `fault-rpc:` line with the figures; exit 0 only if all hold.
 #include <signal.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
@@ -54,7 +55,7 @@ using Clock = std::chrono::steady_clock;
                "fault_rpc: %s\nusage: fault_rpc serve --listen=URI [--keepalive-ms=INTERVAL,TIMEOUT]\n"
                "       fault_rpc drive --target=URI --calls=N [--concurrency=C] [--sizes=LIST] [--deadline-ms=D]\n"
                "                       [--bound-ms=B] [--label=TEXT] [--expect=ok|any] [--keepalive-ms=I,T]\n"
-               "                       [--stop-on-failure] [--server-gone]\n",
+               "                       [--stop-on-failure] [--server-gone] [--until-file=PATH]\n",
                why.c_str());
   std::exit(2);
 }
@@ -164,6 +165,9 @@ int Drive(const std::map<std::string, std::string>& f) {
   // fails, and do not ask the server for its handler counts afterwards.
   const bool stop_on_failure = f.count("stop-on-failure") != 0;
   const bool server_gone = f.count("server-gone") != 0;
+  // Keep issuing until this file exists (then finish what is in flight):
+  // for runs whose length the fault script decides.
+  const std::string until_file = get("until-file", "");
 
   asio::io_context io;
   ChannelOptions co;
@@ -176,18 +180,21 @@ int Drive(const std::map<std::string, std::string>& f) {
   rdmarpc::test::Fault::Stub stub(*channel);
 
   struct Slot {
+    explicit Slot(asio::io_context& io) : pause(io) {}
     ClientContext ctx;
     FaultRequest req;
     FaultResponse resp;
     Clock::time_point deadline;
+    asio::steady_timer pause;  // after a failure: while the server is down calls fail at once
   };
   std::vector<std::unique_ptr<Slot>> slots;
-  for (int i = 0; i < concurrency; ++i) slots.push_back(std::make_unique<Slot>());
+  for (int i = 0; i < concurrency; ++i) slots.push_back(std::make_unique<Slot>(io));
   std::vector<uint32_t> completions(calls, 0);
   std::map<std::string, uint64_t> by_status;
   uint64_t next = 0, done = 0, corrupt = 0, late = 0;
-  bool failed = false;
+  bool failed = false, stopping = false;
   int64_t first_failure_unix_ms = 0;
+  uint64_t ok_since_last_failure = 0;
   int in_flight = 0;
   double max_latency_ms = 0, max_over_deadline_ms = -1e9;
   const auto start = Clock::now();
@@ -212,6 +219,10 @@ int Drive(const std::map<std::string, std::string>& f) {
       ++completions[seq];
       ++done;
       --in_flight;
+      if (ec)
+        ok_since_last_failure = 0;
+      else
+        ++ok_since_last_failure;
       if (ec && !failed) {
         failed = true;
         first_failure_unix_ms = std::chrono::duration_cast<std::chrono::milliseconds>(
@@ -227,11 +238,35 @@ int Drive(const std::map<std::string, std::string>& f) {
       const double over = std::chrono::duration<double, std::milli>(now - d.deadline).count();
       max_over_deadline_ms = std::max(max_over_deadline_ms, over);
       if (over > bound_ms) ++late;
-      if (next < calls && !(stop_on_failure && failed)) issue(i);
-      if (done == calls || (stop_on_failure && failed && in_flight == 0)) io.stop();
+      if (stop_on_failure && failed) stopping = true;
+      if (next < calls && !stopping) {
+        if (!ec) {
+          issue(i);
+        } else {
+          d.pause.expires_after(std::chrono::milliseconds(20));
+          d.pause.async_wait([&, i](boost::system::error_code pause_ec) {
+            if (!pause_ec && next < calls && !stopping) issue(i);
+          });
+        }
+      }
+      if (done == calls || (stopping && in_flight == 0)) io.stop();
     });
   };
   for (int i = 0; i < concurrency && next < calls; ++i) issue(i);
+  asio::steady_timer until(io);
+  std::function<void()> watch_until = [&] {
+    until.expires_after(std::chrono::milliseconds(100));
+    until.async_wait([&](boost::system::error_code ec) {
+      if (ec) return;
+      if (access(until_file.c_str(), F_OK) == 0) {
+        stopping = true;
+        if (in_flight == 0) io.stop();
+        return;
+      }
+      watch_until();
+    });
+  };
+  if (!until_file.empty()) watch_until();
   // Nothing may hang: every call has a deadline, so all must be over by the
   // last deadline plus the bound. A watchdog turns a hang into a verdict.
   asio::steady_timer watchdog(io, std::chrono::milliseconds(deadline_ms + bound_ms) * (1 + calls / concurrency));
@@ -244,6 +279,8 @@ int Drive(const std::map<std::string, std::string>& f) {
   });
   io.run();
   watchdog.cancel();
+  until.cancel();
+  for (auto& slot : slots) slot->pause.cancel();
   io.restart();
   const double secs = std::chrono::duration<double>(Clock::now() - start).count();
 
@@ -283,13 +320,13 @@ int Drive(const std::map<std::string, std::string>& f) {
   std::printf(
       "fault-rpc: %s calls=%llu seconds=%.1f statuses={%s} completed_never=%llu completed_twice=%llu corrupt=%llu "
       "late=%llu max_latency_ms=%.0f max_past_deadline_ms=%.0f server_handler_runs=%llu server_duplicates=%llu%s "
-      "first_failure_unix_ms=%lld %s\n",
+      "first_failure_unix_ms=%lld ok_since_last_failure=%llu %s\n",
       label.c_str(), static_cast<unsigned long long>(next), secs, statuses.c_str(),
       static_cast<unsigned long long>(never), static_cast<unsigned long long>(twice),
       static_cast<unsigned long long>(corrupt), static_cast<unsigned long long>(late), max_latency_ms,
       max_over_deadline_ms, static_cast<unsigned long long>(requests), static_cast<unsigned long long>(duplicates),
       stats_ok ? "" : " (server stats unavailable)", static_cast<long long>(first_failure_unix_ms),
-      pass ? "PASS" : "FAIL");
+      static_cast<unsigned long long>(ok_since_last_failure), pass ? "PASS" : "FAIL");
   return pass ? 0 : 1;
 }
 

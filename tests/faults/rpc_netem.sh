@@ -38,37 +38,25 @@ ctl=$RXE_VM_CTL nic=$RXE_VM_NETDEV
 port=7480
 fail() {
   echo "rpc-netem: FAIL: $*"
+  if [ "$side" = b ] && [ -f "$ctl/b-server.log" ]; then
+    echo "rpc-netem: the server's log ends:"
+    tail -n 20 "$ctl/b-server.log"
+  fi
   touch "$ctl/rpc-netem-done"   # releases b
   exit 1
 }
-wait_for() {  # wait_for FILE SECONDS
-  local i
-  for ((i = 0; i < $2 * 5; i++)); do [ -e "$ctl/$1" ] && return 0; sleep 0.2; done
-  fail "gave up waiting for $1 after $2 s"
-}
-res_counts() { local t; for t in qp cq mr pd; do printf '%s=%s ' "$t" "$(rdma res show "$t" 2>/dev/null | grep -c .)"; done; }
+# shellcheck source=common.sh
+. "$(dirname "$0")/common.sh"
 
 if [ "$side" = b ]; then
   "$fault_rpc" serve --listen="rdma://$RXE_VM_SELF_IP:$port" >"$ctl/b-server.log" 2>&1 &
   pid=$!
-  for ((i = 0; i < 150; i++)); do
-    rdma res show cm_id 2>/dev/null | grep -q "LISTEN.*:$port" && break
-    kill -0 $pid 2>/dev/null || { cat "$ctl/b-server.log"; echo "rpc-netem: server died"; exit 1; }
-    sleep 0.2
-  done
+  wait_listening "$port" "$pid" "$ctl/b-server.log"
   touch "$ctl/rpc-netem-ready"
   for ((i = 0; i < 2000 * 5; i++)); do [ -e "$ctl/rpc-netem-done" ] && break; sleep 0.2; done
   # A graceful shutdown (500 ms grace) must end the server promptly even if a
   # client vanished without its disconnect reaching b (netem ate it).
-  kill -TERM $pid
-  for ((i = 0; i < 150; i++)); do kill -0 $pid 2>/dev/null || break; sleep 0.2; done
-  if kill -0 $pid 2>/dev/null; then
-    echo "rpc-netem: FAIL: the server was still running 30 s after SIGTERM; its log ends:"
-    tail -n 20 "$ctl/b-server.log"
-    kill -KILL $pid
-    exit 1
-  fi
-  wait $pid || true
+  stop_server "$pid"
   echo "rpc-netem: server exited after SIGTERM"
   exit 0
 fi

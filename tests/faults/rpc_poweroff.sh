@@ -44,8 +44,6 @@ fi
 
 scenario=${2:?} side=${3:?} fault_rpc=${4:?}
 ctl=$RXE_VM_CTL port=7481
-now_ms() { date +%s%3N; }
-res_counts() { local t; for t in qp cq mr pd; do printf '%s=%s ' "$t" "$(rdma res show "$t" 2>/dev/null | grep -c .)"; done; }
 fail() {
   echo "rpc-poweroff: $scenario: FAIL: $*"
   if [ "$side" = b ] && [ -f "$ctl/b-server.log" ]; then
@@ -55,44 +53,30 @@ fail() {
   touch "$ctl/done"
   exit 1
 }
-wait_for() {  # wait_for FILE SECONDS
-  local i
-  for ((i = 0; i < $2 * 5; i++)); do [ -e "$ctl/$1" ] && return 0; sleep 0.2; done
-  fail "gave up waiting for $1 after $2 s"
-}
+# shellcheck source=common.sh
+. "$(dirname "$0")/common.sh"
 
 if [ "$side" = b ]; then
   baseline=$(res_counts)
   # info: the server logs event=disconnected (with the reason) for every connection it closes.
   RDMARPC_LOG=info "$fault_rpc" serve --listen="rdma://$RXE_VM_SELF_IP:$port" --keepalive-ms=$keepalive >"$ctl/b-server.log" 2>&1 &
   pid=$!
-  for ((i = 0; i < 150; i++)); do
-    rdma res show cm_id 2>/dev/null | grep -q "LISTEN.*:$port" && break
-    kill -0 $pid 2>/dev/null || { cat "$ctl/b-server.log"; fail "server died"; }
-    sleep 0.2
-  done
+  wait_listening "$port" "$pid" "$ctl/b-server.log"
   listening=$(res_counts)
   touch "$ctl/ready"
   if [ "$scenario" = client-dies ]; then
     wait_for poweroff-a 120
     t0=$(now_ms)
-    for ((i = 0; i < 300; i++)); do
-      grep -q 'event=disconnected' "$ctl/b-server.log" && break
-      sleep 0.1
-    done
+    line=$(wait_log "$ctl/b-server.log" 'event=disconnected' 30) ||
+      fail "the server still holds the dead client's connection 30 s after a's power-off"
     t1=$(now_ms)
-    line=$(grep -m1 'event=disconnected' "$ctl/b-server.log" || true)
-    [ -n "$line" ] || fail "the server still holds the dead client's connection 30 s after a's power-off"
     echo "rpc-poweroff: client-dies: server closed the dead client's connection $((t1 - t0)) ms after the power-off request (bound $bound_ms ms): $line"
     [ $((t1 - t0)) -le $bound_ms ] || fail "dead client found after $((t1 - t0)) ms, bound $bound_ms ms"
     sleep 1
     now=$(res_counts)
     echo "rpc-poweroff: client-dies: rdma resources: listening $listening, after the client's death $now"
     [ "$now" = "$listening" ] || fail "rdma resources not back at the listening baseline ($listening -> $now)"
-    kill -TERM $pid
-    for ((i = 0; i < 150; i++)); do kill -0 $pid 2>/dev/null || break; sleep 0.2; done
-    kill -0 $pid 2>/dev/null && fail "server still running 30 s after SIGTERM"
-    wait $pid || true
+    stop_server "$pid"
     echo "rpc-poweroff: client-dies: PASS"
     exit 0
   fi
