@@ -46,3 +46,33 @@ wait_log() {
   done
   return 1
 }
+
+# start_drive FAULT_RPC TARGET LABEL [ARGS...]: fault_rpc drive in the background
+# until $RXE_VM_CTL/stop-drive exists: 64 KiB and 1 MiB calls, 8 in flight, 30 s
+# deadlines, 2 s bound. Sets $drive (pid) and $drive_out (its output file).
+start_drive() {
+  local fault_rpc=$1 target=$2 label=$3
+  shift 3
+  drive_out=$(mktemp)
+  "$fault_rpc" drive --target="$target" --calls=1000000 --concurrency=8 --deadline-ms=30000 --bound-ms=2000 \
+    --sizes=65536,1048576 --label="$label" --until-file="$RXE_VM_CTL/stop-drive" "$@" >"$drive_out" 2>&1 &
+  drive=$!
+}
+
+# finish_drive: stops the drive started by start_drive and judges it; sets
+# $verdict (its fault-rpc line), $first_failure_ms (unix ms, 0: none) and $ok_streak.
+finish_drive() {
+  local rc=0
+  touch "$RXE_VM_CTL/stop-drive"
+  wait "$drive" || rc=$?
+  grep -v '^rdmarpc level=' "$drive_out" || true
+  verdict=$(grep '^fault-rpc: ' "$drive_out" || true)
+  [ -n "$verdict" ] || fail "no verdict from fault_rpc (exit $rc)"
+  if [ "$rc" != 0 ]; then
+    echo "the drive's last log lines:"
+    grep '^rdmarpc level=' "$drive_out" | tail -n 8
+    fail "fault_rpc judged the run failed"
+  fi
+  first_failure_ms=$(sed -n 's/.*first_failure_unix_ms=\([0-9]*\).*/\1/p' <<<"$verdict")
+  ok_streak=$(sed -n 's/.*ok_since_last_failure=\([0-9]*\).*/\1/p' <<<"$verdict")
+}

@@ -96,13 +96,9 @@ fi
 # side a
 wait_for ready 300
 baseline=$(res_counts)
-out=$(mktemp)
-"$fault_rpc" drive --target="rdma://$RXE_VM_PEER_IP:$port" --calls=1000000 --concurrency=8 --deadline-ms=30000 \
-  --bound-ms=2000 --sizes=65536,1048576 --label="$scenario" --expect=any --until-file="$ctl/stop-drive" \
-  >"$out" 2>&1 &
-drive=$!
+start_drive "$fault_rpc" "rdma://$RXE_VM_PEER_IP:$port" "$scenario" --expect=any
 sleep 5
-kill -0 $drive 2>/dev/null || { cat "$out"; fail "the drive ended before the kill"; }
+kill -0 $drive 2>/dev/null || { cat "$drive_out"; fail "the drive ended before the kill"; }
 if [ "$scenario" = client-killed ]; then
   kill -KILL $drive
   wait $drive || true
@@ -115,20 +111,13 @@ t0=$(now_ms)
 touch "$ctl/kill-server"
 wait_for server-back 120
 sleep 8  # the channel reconnects on the next call; let calls run on the new server
-touch "$ctl/stop-drive"
-rc=0
-wait $drive || rc=$?
-grep -v '^rdmarpc level=' "$out" || true
-line=$(grep '^fault-rpc: ' "$out" || true)
-[ -n "$line" ] || fail "no verdict from fault_rpc (exit $rc)"
-[ "$rc" = 0 ] || fail "fault_rpc judged the run failed"
-first=$(sed -n 's/.*first_failure_unix_ms=\([0-9]*\).*/\1/p' <<<"$line")
-streak=$(sed -n 's/.*ok_since_last_failure=\([0-9]*\).*/\1/p' <<<"$line")
+finish_drive
+first=$first_failure_ms streak=$ok_streak
 [ -n "$first" ] && [ "$first" != 0 ] || fail "no call failed although the server was killed"
 echo "rpc-kill: server-killed: first call failed $((first - t0)) ms after the kill request (bound $bound_ms ms); $streak calls OK in a row after the restart"
 [ $((first - t0)) -le $bound_ms ] || fail "killed server found after $((first - t0)) ms, bound $bound_ms ms"
 [ "${streak:-0}" -ge 20 ] || fail "only ${streak:-0} calls succeeded after the restart (want >= 20): no reconnect?"
-grep -m1 'event=disconnected' "$out" | sed 's/^/rpc-kill: server-killed: /' || true
+grep -m1 'event=disconnected' "$drive_out" | sed 's/^/rpc-kill: server-killed: /' || true
 sleep 1
 now=$(res_counts)
 echo "rpc-kill: server-killed: rdma resources before $baseline, after $now"

@@ -1,0 +1,94 @@
+#!/usr/bin/env bash
+# faults_rpc_link (issue 8, scenario 2): a's link goes down under load (`ip link set down`),
+# calls of 64 KiB and 1 MiB (mostly RDMA WRITEs), 8 in flight, 30 s deadlines, one channel.
+#   link-short: down for 0.3 s, inside RC's retry budget (ack timeout 14 = 67 ms, 7 retries:
+#               ~0.5 s): every call succeeds.
+#   link-long:  down for 8 s: calls fail UNAVAILABLE (no other status), the first within 5 s
+#               of the link going down; after link up the same channel reconnects and at least
+#               20 calls in a row succeed.
+# Both: every call completes exactly once, none past its deadline + 2 s, a's rdma resources
+# back at baseline.
+#
+#   rpc_link.sh path/to/tools/rxe-vm path/to/fault_rpc [SCENARIOS]   (host side: boots the VMs)
+#   rpc_link.sh --side SCENARIO a|b path/to/fault_rpc                 (inside the VMs)
+set -euo pipefail
+bound_ms=5000
+
+if [ "${1:-}" != --side ]; then
+  rxe_vm=${1:?usage: rpc_link.sh path/to/tools/rxe-vm path/to/fault_rpc [SCENARIOS]}
+  fault_rpc=${2:?}
+  self=$(cd "$(dirname "$0")" && pwd)/$(basename "$0")
+  log=$(mktemp)
+  trap 'rm -f "$log"' EXIT
+  fails=0
+  for scenario in ${3:-link-short link-long}; do
+    rc=0
+    "$rxe_vm" --hosts 2 --timeout 400 \
+      --a "bash $(printf %q "$self") --side $scenario a $(printf %q "$fault_rpc")" \
+      --b "bash $(printf %q "$self") --side $scenario b $(printf %q "$fault_rpc")" 2>&1 | tee -a "$log" || rc=$?
+    [ "$rc" = 0 ] || { echo "faults_rpc_link: $scenario: FAIL (rxe-vm exited $rc)"; fails=$((fails + 1)); continue; }
+    grep -q "^\[a\] rpc-link: $scenario: PASS" "$log" ||
+      { echo "faults_rpc_link: $scenario: FAIL (no PASS line)"; fails=$((fails + 1)); }
+  done
+  echo
+  echo "faults_rpc_link: summary"
+  grep -E '^\[[ab]\] (fault-rpc|rpc-link):' "$log" || true
+  [ "$fails" = 0 ] || { echo "faults_rpc_link: FAIL"; exit 1; }
+  echo "faults_rpc_link: PASS"
+  exit 0
+fi
+
+scenario=${2:?} side=${3:?} fault_rpc=${4:?}
+ctl=$RXE_VM_CTL nic=$RXE_VM_NETDEV port=7483
+fail() {
+  echo "rpc-link: $scenario: FAIL: $*"
+  ip link set dev "$nic" up 2>/dev/null || true
+  touch "$ctl/done"
+  exit 1
+}
+# shellcheck source=common.sh
+. "$(dirname "$0")/common.sh"
+
+if [ "$side" = b ]; then
+  "$fault_rpc" serve --listen="rdma://$RXE_VM_SELF_IP:$port" >"$ctl/b-server.log" 2>&1 &
+  pid=$!
+  wait_listening "$port" "$pid" "$ctl/b-server.log"
+  touch "$ctl/ready"
+  wait_for done 350
+  stop_server "$pid"
+  exit 0
+fi
+
+# side a
+busybox ping -c 2 -W 2 "$RXE_VM_PEER_IP" >/dev/null || fail "b does not answer pings"
+wait_for ready 300
+baseline=$(res_counts)
+if [ "$scenario" = link-short ]; then down_s=0.3 expect=ok; else down_s=8 expect=any; fi
+start_drive "$fault_rpc" "rdma://$RXE_VM_PEER_IP:$port" "$scenario" --expect=$expect
+sleep 5
+kill -0 $drive 2>/dev/null || { cat "$drive_out"; fail "the drive ended before the link went down"; }
+t0=$(now_ms)
+ip link set dev "$nic" down
+sleep "$down_s"
+ip link set dev "$nic" up
+t1=$(now_ms)
+echo "rpc-link: $scenario: link was down for $((t1 - t0)) ms"
+ip -br addr show dev "$nic"; ip route; rdma link show
+sleep 10  # recovery, reconnect, calls on the new connection
+finish_drive
+if [ "$scenario" = link-long ]; then
+  [ -n "$first_failure_ms" ] && [ "$first_failure_ms" != 0 ] || fail "no call failed during an 8 s outage"
+  echo "rpc-link: link-long: first call failed $((first_failure_ms - t0)) ms after the link went down (bound $bound_ms ms); $ok_streak calls OK in a row after link up"
+  [ $((first_failure_ms - t0)) -le $bound_ms ] || fail "the outage was noticed after $((first_failure_ms - t0)) ms, bound $bound_ms ms"
+  [ "${ok_streak:-0}" -ge 20 ] || fail "only ${ok_streak:-0} calls succeeded after link up (want >= 20): no reconnect?"
+  statuses=$(sed -n 's/.*statuses={\([^}]*\)}.*/\1/p' <<<"$verdict")
+  if grep -qvE '^(OK|UNAVAILABLE)=' <<<"$(tr ',' '\n' <<<"$statuses")"; then
+    fail "statuses other than OK and UNAVAILABLE: $statuses"
+  fi
+fi
+sleep 1
+now=$(res_counts)
+echo "rpc-link: $scenario: rdma resources before $baseline, after $now"
+[ "$now" = "$baseline" ] || fail "rdma resources not back at baseline ($baseline -> $now)"
+touch "$ctl/done"
+echo "rpc-link: $scenario: PASS"
