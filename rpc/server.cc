@@ -100,6 +100,10 @@ class Server::Impl : public std::enable_shared_from_this<Impl> {
     std::deque<Pending> pending;
     internal::Keepalive keepalive{internal::Keepalive::Clock::now()};
     bool keepalive_dead = false;
+    // Sends handed to the transport and not yet completed. A draining
+    // connection closes only at zero: closing cancels queued sends, and the
+    // last responses were lost that way (seen over RDMA in CI).
+    size_t sends_in_flight = 0;
   };
   struct Call {
     explicit Call(const asio::any_io_executor& ex) : deadline_timer(ex) {}
@@ -592,9 +596,14 @@ bool Server::Impl::TrySend(const std::shared_ptr<Conn>& conn, uint64_t call_id, 
     response->SerializeWithCachedSizesToArray(reinterpret_cast<uint8_t*>(out.data() + rpc::kFrameHeaderSize));
   else if (body > 0)
     std::memcpy(out.data() + rpc::kFrameHeaderSize, status.message().data(), body);
+  ++conn->sends_in_flight;
   conn->c->Send(std::move(*buffer), transport::WithHandlerMemory([self = shared_from_this(), conn](absl::Status st) {
+    --conn->sends_in_flight;
     if (!st.ok()) return self->CloseConn(conn, Status::FromAbsl(st));
-    if (!conn->pending.empty()) self->PumpPending(conn);
+    if (!conn->pending.empty())
+      self->PumpPending(conn);
+    else if (self->shutting_down_)
+      self->MaybeCloseDrained(conn);
   }));
   return true;
 }
@@ -609,9 +618,11 @@ void Server::Impl::SendControl(const std::shared_ptr<Conn>& conn, rpc::FrameType
   rpc::FrameHeader h;
   h.type = type;
   rpc::EncodeFrameHead(h, {}, buffer->data());
+  ++conn->sends_in_flight;
   conn->c->Send(std::move(*buffer),
                 transport::WithHandlerMemory([self = shared_from_this(), conn, close_after](absl::Status) {
-                  if (close_after) self->MaybeCloseDrained(conn);
+                  --conn->sends_in_flight;
+                  if (close_after || self->shutting_down_) self->MaybeCloseDrained(conn);
                 }));
 }
 
@@ -634,10 +645,10 @@ void Server::Impl::CloseConn(const std::shared_ptr<Conn>& conn, const Status& wh
 }
 
 void Server::Impl::MaybeCloseDrained(const std::shared_ptr<Conn>& conn) {
-  if ((shutting_down_ || stopped_) && conn->calls.empty() && conn->pending.empty() && !conn->dead) {
-    // The last response is queued before the close; a transport completes
-    // queued sends before it tears the connection down only if it gets the
-    // chance, so close from the executor after this turn.
+  if ((shutting_down_ || stopped_) && conn->calls.empty() && conn->pending.empty() && conn->sends_in_flight == 0 &&
+      !conn->dead) {
+    // Every response has been sent (completed); close from the executor after
+    // this turn, not inside the completion that got us here.
     asio::post(ex_, [self = shared_from_this(), conn] { self->CloseConn(conn, Status(StatusCode::kUnavailable, "drained")); });
   }
 }

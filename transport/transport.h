@@ -118,6 +118,11 @@ struct ConnectionStats {
   uint64_t credit_frames_sent = 0;   // Credits returned without piggybacking.
   uint64_t send_waits_for_credit = 0;
   uint64_t grants_live = 0;
+  // Registered bytes held for incoming rendezvous messages (granted, being
+  // written, or delivered and not yet released), and the announcements (RTS)
+  // that waited because holding them would pass the connection's cap.
+  uint64_t rendezvous_bytes_held = 0;
+  uint64_t rendezvous_deferred = 0;
   uint64_t rnr_errors = 0;           // IBV_WC_RNR_RETRY_EXC_ERR seen: 0 by design.
   uint64_t wc_errors = 0;            // Non-success completions of any other kind.
   // The queue pair's state as the device reports it, 1 + ibv_qp_state:

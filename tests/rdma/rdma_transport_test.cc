@@ -10,6 +10,7 @@
 #include <boost/asio/detached.hpp>
 #include <boost/asio/io_context.hpp>
 #include <boost/asio/use_awaitable.hpp>
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstring>
@@ -17,6 +18,7 @@
 #include <fstream>
 #include <map>
 #include <thread>
+#include <vector>
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_split.h"
@@ -243,6 +245,63 @@ std::map<std::string, int> ResourceCounts(const std::string& dev) {
   }
   pclose(f);
   return counts;
+}
+
+// max_rendezvous_bytes_held: a peer announcing many large messages to a
+// receiver that does not consume them gets grants for the cap's worth only;
+// the rest wait in order, and a message above the cap passes alone.
+TEST(RdmaTransportLimits, IncomingRendezvousMemoryIsCappedAndOrderIsKept) {
+  auto ctx = OpenContext();
+  ASSERT_TRUE(ctx);
+  asio::io_context io;
+  RdmaOptions opt;
+  opt.max_rendezvous_bytes_held = size_t{2} << 20;
+  Pair p = ConnectPair(io, ctx, opt);
+  ASSERT_TRUE(p.client && p.server);
+  constexpr int kMessages = 8;
+  constexpr size_t kSize = size_t{1} << 20;
+  int sent_ok = 0;
+  for (int i = 0; i < kMessages; ++i) {
+    auto buf = p.client->Prepare(kSize);
+    ASSERT_TRUE(buf.ok()) << buf.status();
+    std::memset(buf->data().data(), i + 1, kSize);  // every byte names the message
+    p.client->Send(std::move(*buf), [&](absl::Status st) { sent_ok += st.ok(); });
+  }
+  auto run_until = [&](auto done, std::chrono::seconds limit) {
+    const auto deadline = std::chrono::steady_clock::now() + limit;
+    while (!done() && std::chrono::steady_clock::now() < deadline) io.run_one_for(std::chrono::milliseconds(50));
+    return done();
+  };
+  // Nobody receives yet: two 1 MiB grants fit the cap, the other six wait.
+  EXPECT_TRUE(run_until([&] { return sent_ok == 2; }, std::chrono::seconds(60)));
+  run_until([] { return false; }, std::chrono::seconds(2));
+  auto held = p.server->stats();
+  EXPECT_EQ(held.rendezvous_bytes_held, kSize * 2);
+  EXPECT_EQ(held.grants_live, 0u) << "both granted messages should have arrived";
+  EXPECT_EQ(held.rendezvous_deferred, 6u);
+  EXPECT_EQ(sent_ok, 2) << "a send completed without a grant";
+  std::vector<int> order;
+  size_t max_held = 0;
+  for (int i = 0; i < kMessages; ++i) {
+    bool got = false;
+    p.server->Receive([&](absl::StatusOr<Message> m) {
+      got = true;
+      ASSERT_TRUE(m.ok()) << m.status();
+      ASSERT_EQ(m->size(), kSize);
+      const int first = static_cast<int>(m->data()[0]), last = static_cast<int>(m->data()[kSize - 1]);
+      EXPECT_EQ(first, last);
+      order.push_back(first);
+    });  // the message is released when the handler's argument goes
+    ASSERT_TRUE(run_until([&] { return got; }, std::chrono::seconds(60))) << "message " << i;
+    max_held = std::max<size_t>(max_held, p.server->stats().rendezvous_bytes_held);
+  }
+  EXPECT_TRUE(run_until([&] { return sent_ok == kMessages; }, std::chrono::seconds(60)));
+  EXPECT_EQ(order, (std::vector<int>{1, 2, 3, 4, 5, 6, 7, 8}));
+  EXPECT_LE(max_held, kSize * 2);
+  EXPECT_EQ(p.server->stats().rendezvous_bytes_held, 0u);
+  // Above the cap, alone: admitted.
+  ExpectDelivered(io, *p.client, *p.server, size_t{3} << 20);
+  EXPECT_EQ(p.server->stats().rendezvous_bytes_held, 0u);
 }
 
 TEST(RdmaTransportTeardown, PeerClosingMidStreamFailsPendingWorkAndFreesEverything) {

@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <deque>
 #include <map>
 
 #include <boost/asio/co_spawn.hpp>
@@ -272,6 +273,7 @@ class RdmaConnectionImpl final : public std::enable_shared_from_this<RdmaConnect
     auto s = stats_;
     s.credits_available = ledger_ ? ledger_->data_credits() : 0;
     s.grants_live = grants_.size();
+    s.rendezvous_bytes_held = large_in_bytes_;
     if (ep_ && ep_->qp() != nullptr) {
       ibv_qp_attr attr{};
       ibv_qp_init_attr init{};
@@ -291,7 +293,14 @@ class RdmaConnectionImpl final : public std::enable_shared_from_this<RdmaConnect
         large_out_.erase(index);
         break;
       case kTokLargeIn:
-        large_in_.erase(index);
+        if (auto it = large_in_.find(index); it != large_in_.end()) {
+          large_in_bytes_ -= it->second.buffer.size;
+          large_in_.erase(it);
+        }
+        if (error_.ok() && !deferred_rts_.empty()) {
+          GrantDeferred();
+          Pump();
+        }
         break;
       case kTokRecvSlot:
         if (error_.ok()) {
@@ -581,19 +590,40 @@ class RdmaConnectionImpl final : public std::enable_shared_from_this<RdmaConnect
                                                      "-byte message; the limit is ", opt_.max_message_size)));
       return;
     }
-    auto buf = AllocateLarge(h.length, access::kRendezvousReceive);
-    if (!buf.ok()) {
-      Fail(buf.status());
-      return;
-    }
+    // The message takes its place in arrival order now; its buffer and grant
+    // may wait for the cap (max_rendezvous_bytes_held).
     const uint64_t id = next_large_in_++;
-    // Grant ids are never reused on a connection (2^32 grants), so a stale or
-    // guessed id cannot name a live grant by accident.
-    const uint32_t grant_id = next_grant_id_++;
-    large_in_.emplace(id, LargeIn{std::move(*buf), grant_id, false});
-    grants_.emplace(grant_id, id);
+    large_in_.emplace(id, LargeIn{});
     ready_.push_back({true, id, h.length});
-    control_.push_back({Op::kCts, h.cookie, 0, id, {}});
+    deferred_rts_.push_back({id, h.length, h.cookie});
+    if (deferred_rts_.size() > 1 || !MayHold(h.length)) ++stats_.rendezvous_deferred;
+    GrantDeferred();
+  }
+
+  bool MayHold(size_t bytes) const {
+    return large_in_bytes_ == 0 || large_in_bytes_ + bytes <= opt_.max_rendezvous_bytes_held;
+  }
+
+  // Grants waiting announcements, in order, while the cap allows.
+  void GrantDeferred() {
+    while (!deferred_rts_.empty() && MayHold(deferred_rts_.front().length)) {
+      const DeferredRts d = deferred_rts_.front();
+      deferred_rts_.pop_front();
+      auto buf = AllocateLarge(d.length, access::kRendezvousReceive);
+      if (!buf.ok()) {
+        Fail(buf.status());
+        return;
+      }
+      // Grant ids are never reused on a connection (2^32 grants), so a stale
+      // or guessed id cannot name a live grant by accident.
+      const uint32_t grant_id = next_grant_id_++;
+      LargeIn& in = large_in_.at(d.id);
+      in.buffer = std::move(*buf);
+      in.grant_id = grant_id;
+      large_in_bytes_ += d.length;
+      grants_.emplace(grant_id, d.id);
+      control_.push_back({Op::kCts, d.cookie, 0, d.id, {}});
+    }
   }
 
   void OnCts(const wire::Header& h, uint32_t slot) {
@@ -744,6 +774,7 @@ class RdmaConnectionImpl final : public std::enable_shared_from_this<RdmaConnect
     pending_.clear();
     control_.clear();
     grants_.clear();
+    deferred_rts_.clear();
     FailReceivers();
     if (ep_) ep_->Disconnect();
     if (ep_) ep_->Cancel();
@@ -820,6 +851,13 @@ class RdmaConnectionImpl final : public std::enable_shared_from_this<RdmaConnect
   std::map<uint64_t, LargeOut> large_out_;
   std::map<uint64_t, LargeIn> large_in_;
   std::map<uint32_t, uint64_t> grants_;  // Live grant id -> large_in_ key.
+  struct DeferredRts {
+    uint64_t id;      // large_in_ key
+    size_t length;
+    uint32_t cookie;  // the sender's message number, echoed in the CTS
+  };
+  std::deque<DeferredRts> deferred_rts_;  // Announced, not yet granted (cap).
+  size_t large_in_bytes_ = 0;             // Sum of large_in_ buffer sizes.
   uint64_t next_large_out_ = 1, next_large_in_ = 1;
   uint32_t next_grant_id_ = 1;
   transport::Fifo<ReadyEntry> ready_;

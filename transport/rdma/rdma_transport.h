@@ -72,6 +72,14 @@ struct RdmaOptions {
   size_t eager_limit = 4096 + 256;
   // Largest message accepted in either direction.
   size_t max_message_size = size_t{256} << 20;
+  // Registered memory one connection may hold for incoming rendezvous
+  // messages: granted, being written, or delivered and not yet released by
+  // the application. An announcement (RTS) that would pass it waits, in order,
+  // until earlier ones are released: the peer's send stalls, nothing fails.
+  // A message is always admitted when nothing else is held, so messages up to
+  // max_message_size still pass. Without it a peer's 64 RTS credits could make
+  // us register 64 x max_message_size at once.
+  size_t max_rendezvous_bytes_held = size_t{64} << 20;
   // Shared secret (transport/common/auth.h), checked in the rdma_cm connect
   // before the listener creates a QP or registers memory. Listener: non-empty
   // rejects clients without a matching proof (they see UNAUTHENTICATED);
