@@ -227,31 +227,32 @@ class Generator final : public pb::compiler::CodeGenerator {
             break;
           case Shape::kServerStream:
             p.Print(v,
-                    "\n    // $full$ (server streaming): completes with (error_code, ClientReader).\n"
+                    "\n    // $full$ (server streaming): completes with (error_code, ClientReader<$resp$>)\n"
+                    "    // once the stream is open; read until eof (rpc/stream.h).\n"
                     "    template <typename CompletionToken>\n"
-                    "    auto async_$method$(::rdmarpc::ClientContext& context, const $req$& /*request*/,\n"
+                    "    auto async_$method$(::rdmarpc::ClientContext& context, const $req$& request,\n"
                     "                        CompletionToken&& token) {\n"
-                    "      return ::rdmarpc::internal::AsyncStreamUnavailable<::rdmarpc::ClientReader<$resp$>>(\n"
-                    "          channel_, context, kMethods[$index$], std::forward<CompletionToken>(token));\n"
+                    "      return ::rdmarpc::internal::AsyncOpenStream<::rdmarpc::ClientReader<$resp$>>(\n"
+                    "          channel_, context, kMethods[$index$], &request, std::forward<CompletionToken>(token));\n"
                     "    }\n");
             break;
           case Shape::kClientStream:
             p.Print(v,
-                    "\n    // $full$ (client streaming): completes with (error_code, ClientWriter).\n"
+                    "\n    // $full$ (client streaming): completes with (error_code, ClientWriter<$req$, $resp$>).\n"
                     "    template <typename CompletionToken>\n"
                     "    auto async_$method$(::rdmarpc::ClientContext& context, CompletionToken&& token) {\n"
-                    "      return ::rdmarpc::internal::AsyncStreamUnavailable<::rdmarpc::ClientWriter<$req$>>(\n"
-                    "          channel_, context, kMethods[$index$], std::forward<CompletionToken>(token));\n"
+                    "      return ::rdmarpc::internal::AsyncOpenStream<::rdmarpc::ClientWriter<$req$, $resp$>>(\n"
+                    "          channel_, context, kMethods[$index$], nullptr, std::forward<CompletionToken>(token));\n"
                     "    }\n");
             break;
           case Shape::kBidi:
             p.Print(v,
-                    "\n    // $full$ (bidirectional): completes with (error_code, ClientReaderWriter).\n"
+                    "\n    // $full$ (bidirectional): completes with (error_code, ClientReaderWriter<$req$, $resp$>).\n"
                     "    template <typename CompletionToken>\n"
                     "    auto async_$method$(::rdmarpc::ClientContext& context, CompletionToken&& token) {\n"
-                    "      return ::rdmarpc::internal::AsyncStreamUnavailable<\n"
+                    "      return ::rdmarpc::internal::AsyncOpenStream<\n"
                     "          ::rdmarpc::ClientReaderWriter<$req$, $resp$>>(\n"
-                    "          channel_, context, kMethods[$index$], std::forward<CompletionToken>(token));\n"
+                    "          channel_, context, kMethods[$index$], nullptr, std::forward<CompletionToken>(token));\n"
                     "    }\n");
             break;
         }
@@ -283,6 +284,33 @@ class Generator final : public pb::compiler::CodeGenerator {
                      "  return static_cast<$service$::Service&>(service).$handler$(\n"
                      "      context, static_cast<const $req$&>(request), static_cast<$resp$&>(response));\n"
                      "}\n");
+        const char* stream_head =
+            "::boost::asio::awaitable<::rdmarpc::Status> $svcraw$_$method$_Stream(\n"
+            "    ::rdmarpc::Service& service, ::rdmarpc::ServerContext& context,\n"
+            "    [[maybe_unused]] const ::google::protobuf::MessageLite& request,\n"
+            "    [[maybe_unused]] ::google::protobuf::MessageLite& response,\n"
+            "    std::shared_ptr<::rdmarpc::internal::StreamCore> stream) {\n";
+        switch (ShapeOf(svc->method(m))) {
+          case Shape::kUnary:
+            break;
+          case Shape::kServerStream:
+            p.Print(v, stream_head);
+            p.Print(v, "  ::rdmarpc::ServerWriter<$resp$> writer(std::move(stream));\n"
+                       "  co_return co_await static_cast<$service$::Service&>(service).$handler$(\n"
+                       "      context, static_cast<const $req$&>(request), writer);\n}\n");
+            break;
+          case Shape::kClientStream:
+            p.Print(v, stream_head);
+            p.Print(v, "  ::rdmarpc::ServerReader<$req$> reader(std::move(stream));\n"
+                       "  co_return co_await static_cast<$service$::Service&>(service).$handler$(\n"
+                       "      context, reader, static_cast<$resp$&>(response));\n}\n");
+            break;
+          case Shape::kBidi:
+            p.Print(v, stream_head);
+            p.Print(v, "  ::rdmarpc::ServerReaderWriter<$resp$, $req$> rw(std::move(stream));\n"
+                       "  co_return co_await static_cast<$service$::Service&>(service).$handler$(context, rw);\n}\n");
+            break;
+        }
       }
       p.Print("}  // namespace\n\n");
       for (int m = 0; m < svc->method_count(); ++m) {
@@ -312,8 +340,10 @@ class Generator final : public pb::compiler::CodeGenerator {
               "service", SafeIdent(svc->name()));
       for (int m = 0; m < svc->method_count(); ++m) {
         auto v = Vars(svc, svc->method(m), m);
-        v["invoke"] = ShapeOf(svc->method(m)) == Shape::kUnary ? absl::StrCat("&", svc->name(), "_", svc->method(m)->name(), "_Invoke") : "nullptr";
-        p.Print(v, "      {kMethods[$index$], &$svcraw$_$method$_Request, &$svcraw$_$method$_Response, $invoke$},\n");
+        const bool unary = ShapeOf(svc->method(m)) == Shape::kUnary;
+        v["invoke"] = unary ? absl::StrCat("&", svc->name(), "_", svc->method(m)->name(), "_Invoke") : "nullptr";
+        v["stream"] = unary ? "nullptr" : absl::StrCat("&", svc->name(), "_", svc->method(m)->name(), "_Stream");
+        p.Print(v, "      {kMethods[$index$], &$svcraw$_$method$_Request, &$svcraw$_$method$_Response, $invoke$, $stream$},\n");
       }
       p.Print("  };\n  return kTable;\n}\n\n");
     }

@@ -13,6 +13,8 @@
 
 #include "rpc/context.h"
 #include "rpc/method_id.h"
+#include "rpc/status.h"
+#include "rpc/stream_core.h"
 #include "transport/transport.h"
 
 namespace rdmarpc {
@@ -71,6 +73,9 @@ class ResponsePayload {
 // associated cancellation slot is the user's.
 using CallHandler = asio::any_completion_handler<void(boost::system::error_code, ResponsePayload)>;
 
+using StreamOpenHandler =
+    asio::any_completion_handler<void(boost::system::error_code, std::shared_ptr<internal::StreamCore>)>;
+
 // What a Stub talks to: the Channel, or a generated MockStub.
 class ChannelInterface {
  public:
@@ -82,6 +87,12 @@ class ChannelInterface {
                          const google::protobuf::MessageLite& request, CallHandler handler) = 0;
   // The executor handlers run on when they have no associated executor.
   virtual asio::any_io_executor get_executor() const = 0;
+  // Opens a stream (rpc/stream.h); `request` is the request of a
+  // server-streaming method, else null. The handler gets the stream's core
+  // once the REQUEST is on its way, or an error (UNAVAILABLE: no connection).
+  // Default: UNIMPLEMENTED (mocks do not stream).
+  virtual void StartStream(ClientContext& context, const MethodInfo& method,
+                           const google::protobuf::MessageLite* request, StreamOpenHandler handler);
 };
 
 }  // namespace rdmarpc

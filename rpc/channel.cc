@@ -69,8 +69,13 @@ class Channel::Impl : public std::enable_shared_from_this<Impl> {
              CallHandler handler);
   void Connect(asio::any_completion_handler<void(boost::system::error_code)> handler);
   void Close();
+  // `request` is null when the caller serialised it already (into `bytes`),
+  // or when the method is not server-streaming (both empty then).
+  void StartStream(ClientContext& ctx, const MethodInfo& method, const MessageLite* request, std::string bytes,
+                   StreamOpenHandler handler);
 
  private:
+  class ClientStream;
   struct Call;
   enum class CallState;
   struct Ref {
@@ -87,6 +92,8 @@ class Channel::Impl : public std::enable_shared_from_this<Impl> {
     // Calls waiting for send space (the transport's Prepare() said
     // RESOURCE_EXHAUSTED: all send slots busy); retried as sends complete.
     std::deque<Ref> blocked;
+    // Streams waiting for send space.
+    std::vector<std::weak_ptr<internal::StreamCore>> stream_waiters;
     internal::Keepalive keepalive{internal::Keepalive::Clock::now()};
   };
   enum class CallState { kFree, kQueued, kBlocked, kSent };
@@ -135,6 +142,11 @@ class Channel::Impl : public std::enable_shared_from_this<Impl> {
     call->request = nullptr;
   }
   void PumpBlocked(const std::shared_ptr<Conn>& conn);
+  void OnSendDone(const std::shared_ptr<Conn>& conn, const absl::Status& st);
+  void OpenStream(ClientContext& ctx, const MethodInfo& method, const MessageLite* request, std::string bytes,
+                  StreamOpenHandler handler);
+  void StreamEnded(ClientStream* stream);
+  void ReleaseConnCall(const std::shared_ptr<Conn>& conn);
   void SendControl(const std::shared_ptr<Conn>& conn, rpc::FrameType type, uint64_t call_id);
   void StartConnect();
   void OnConnected(absl::StatusOr<std::unique_ptr<Connection>> result);
@@ -157,6 +169,7 @@ class Channel::Impl : public std::enable_shared_from_this<Impl> {
   std::vector<std::unique_ptr<Call>> all_calls_;
   std::vector<Call*> free_calls_;
   absl::flat_hash_map<uint64_t, Call*> sent_;
+  absl::flat_hash_map<uint64_t, std::shared_ptr<ClientStream>> streams_;
   std::deque<Ref> queued_;
   size_t outstanding_ = 0;
   uint64_t next_call_id_ = 1;
@@ -170,6 +183,168 @@ class Channel::Impl : public std::enable_shared_from_this<Impl> {
 };
 
 bool Channel::Impl::Ref::live() const { return call->generation == generation && call->state != CallState::kFree; }
+
+// ---- streams ---------------------------------------------------------------------
+
+// The channel's end of one stream: the shared flow-control core, reaching the
+// connection the stream was opened on.
+class Channel::Impl::ClientStream final : public internal::StreamCore {
+ public:
+  ClientStream(std::shared_ptr<Impl> impl, std::shared_ptr<Conn> conn, uint64_t id, ClientContext* ctx,
+               const MethodInfo& method, uint32_t window)
+      : StreamCore(impl->ex_, Side::kClient, window, method.server_streaming, method.client_streaming),
+        impl_(std::move(impl)),
+        conn_(std::move(conn)),
+        id_(id),
+        ctx_(ctx),
+        timer_(impl_->ex_) {}
+
+  const std::shared_ptr<Conn>& conn() const { return conn_; }
+  uint64_t id() const { return id_; }
+  ClientContext* context() const { return ctx_; }
+  asio::steady_timer& timer() { return timer_; }
+  void Open(std::string frame_if_queued, bool sent) {
+    if (sent)
+      SetOpened();
+    else
+      QueueRawFrame(std::move(frame_if_queued));
+  }
+  void ExpireDeadline() { Cancel(DeadlineExceededError("stream deadline exceeded (client timer)")); }
+  using StreamCore::Cancel;
+
+ protected:
+  absl::StatusOr<transport::SendBuffer> LinkPrepare(size_t size) override {
+    if (conn_->dead) return absl::UnavailableError("connection closed");
+    return conn_->c->Prepare(size);
+  }
+  void LinkSend(transport::SendBuffer buffer) override {
+    conn_->c->Send(std::move(buffer), transport::WithHandlerMemory([impl = impl_, c = conn_](absl::Status st) {
+                     impl->OnSendDone(c, st);
+                   }));
+  }
+  void LinkWaitForSendSpace() override { conn_->stream_waiters.push_back(weak_from_this()); }
+  size_t LinkMaxMessageSize() const override { return conn_->c->max_message_size(); }
+  uint64_t LinkStreamId() const override { return id_; }
+  void LinkCancelled() override {
+    if (!conn_->dead) impl_->SendControl(conn_, rpc::FrameType::kCancel, id_);
+  }
+  void LinkEnded() override { impl_->StreamEnded(this); }
+
+ private:
+  std::shared_ptr<Impl> impl_;  // cycle broken by StreamEnded (streams_ entry) and ~handle
+  std::shared_ptr<Conn> conn_;
+  uint64_t id_;
+  ClientContext* ctx_;
+  asio::steady_timer timer_;
+};
+
+void Channel::Impl::StartStream(ClientContext& ctx, const MethodInfo& method, const MessageLite* request,
+                                std::string bytes, StreamOpenHandler handler) {
+  auto fail = [&](Status st) {
+    ctx.SetResult(st);
+    transport::PostCompletion(ex_, std::move(handler), make_error_code(st.code()),
+                              std::shared_ptr<internal::StreamCore>());
+  };
+  if (closed_) return fail(CancelledError("channel to " + target_ + " is closed"));
+  if (auto st = CheckMetadata(ctx.metadata()); !st.ok()) return fail(std::move(st));
+  if (auto d = ctx.deadline(); d && *d <= Clock::now())
+    return fail(DeadlineExceededError("deadline passed before the stream started"));
+  if (state_ == State::kReady) return OpenStream(ctx, method, request, std::move(bytes), std::move(handler));
+  if (state_ == State::kBackoff && !ctx.wait_for_ready())
+    return fail(UnavailableError("channel to " + target_ + " is waiting to reconnect; last error: " +
+                                 last_error_.ToString()));
+  // Not connected: open once it is (the request is kept serialised).
+  if (request != nullptr) bytes = request->SerializeAsString();
+  Connect([self = shared_from_this(), &ctx, &method, bytes = std::move(bytes),
+           h = std::move(handler)](boost::system::error_code ec) mutable {
+    if (ec) {
+      ctx.SetResult(self->last_error_.ok() ? Status(ToStatusCode(ec), "connect failed") : self->last_error_);
+      return transport::PostCompletion(self->ex_, std::move(h), ec, std::shared_ptr<internal::StreamCore>());
+    }
+    self->OpenStream(ctx, method, nullptr, std::move(bytes), std::move(h));
+  });
+}
+
+void Channel::Impl::OpenStream(ClientContext& ctx, const MethodInfo& method, const MessageLite* request,
+                               std::string bytes, StreamOpenHandler handler) {
+  if (state_ != State::kReady || !conn_) {  // lost again between connect and here
+    ctx.SetResult(UnavailableError("channel to " + target_ + " lost its connection"));
+    return transport::PostCompletion(ex_, std::move(handler), make_error_code(StatusCode::kUnavailable),
+                                     std::shared_ptr<internal::StreamCore>());
+  }
+  const std::shared_ptr<Conn> conn = conn_;
+  const rpc::Metadata& md = ctx.metadata();
+  const size_t md_size = rpc::MetadataWireSize(md);
+  const size_t body = request != nullptr ? request->ByteSizeLong() : bytes.size();
+  const size_t total = rpc::kFrameHeaderSize + md_size + body;
+  if (total > conn->c->max_message_size() || body > 0xffffffffu) {
+    ctx.SetResult(ResourceExhaustedError(absl::StrCat("stream request of ", total, " bytes exceeds the ",
+                                                      conn->c->max_message_size(), "-byte message limit")));
+    return transport::PostCompletion(ex_, std::move(handler), make_error_code(StatusCode::kResourceExhausted),
+                                     std::shared_ptr<internal::StreamCore>());
+  }
+  const uint64_t id = next_call_id_++;
+  const uint32_t window = ctx.stream_window() != 0 ? ctx.stream_window() : options_.stream_window;
+  auto stream = std::make_shared<ClientStream>(shared_from_this(), conn, id, &ctx, method, window);
+  streams_.emplace(id, stream);
+  ++conn->calls;
+  ++stats_.streams_started;
+  ++stats_.streams_open;
+  ctx.SetResult(Status());
+  ctx.SetPeer(conn->peer);
+
+  rpc::FrameHeader h;
+  h.type = rpc::FrameType::kRequest;
+  h.metadata_length = static_cast<uint16_t>(md_size);
+  h.method_id = method.id;
+  h.payload_length = static_cast<uint32_t>(body);
+  h.call_id = id;
+  if (auto d = ctx.deadline()) {
+    auto left = std::chrono::duration_cast<std::chrono::microseconds>(*d - Clock::now()).count();
+    h.timeout_us = left > 0 ? static_cast<uint64_t>(left) : 1;
+    stream->timer().expires_at(*d);
+    stream->timer().async_wait([weak = std::weak_ptr<ClientStream>(stream)](boost::system::error_code ec) {
+      if (auto s = weak.lock(); s && !ec) s->ExpireDeadline();
+    });
+  }
+  auto encode = [&](std::span<std::byte> out) {
+    rpc::EncodeFrameHead(h, md, out);
+    std::byte* payload = out.data() + rpc::kFrameHeaderSize + md_size;
+    if (request != nullptr)
+      request->SerializeWithCachedSizesToArray(reinterpret_cast<uint8_t*>(payload));
+    else if (body > 0)
+      std::memcpy(payload, bytes.data(), body);
+  };
+  auto buffer = conn->c->Prepare(total);
+  if (buffer.ok()) {
+    encode(buffer->data());
+    conn->c->Send(std::move(*buffer), transport::WithHandlerMemory([self = shared_from_this(), c = conn](absl::Status st) {
+                    self->OnSendDone(c, st);
+                  }));
+    stream->Open({}, true);
+  } else if (buffer.status().code() == absl::StatusCode::kResourceExhausted) {
+    std::string frame(total, '\0');
+    encode(std::as_writable_bytes(std::span(frame)));
+    stream->Open(std::move(frame), false);
+  } else {
+    stream->Abort(Status::FromAbsl(buffer.status()));
+  }
+  transport::PostCompletion(ex_, std::move(handler), boost::system::error_code(),
+                            std::shared_ptr<internal::StreamCore>(stream));
+}
+
+void Channel::Impl::StreamEnded(ClientStream* stream) {
+  auto it = streams_.find(stream->id());
+  if (it == streams_.end() || it->second.get() != stream) return;
+  std::shared_ptr<ClientStream> keep = std::move(it->second);  // ends this call's use of it
+  streams_.erase(it);
+  --stats_.streams_open;
+  keep->timer().cancel();
+  const Status& st = keep->end_status();
+  st.ok() ? ++stats_.calls_ok : ++stats_.calls_failed;
+  keep->context()->SetResult(st);
+  ReleaseConnCall(keep->conn());
+}
 
 Channel::Impl::Call* Channel::Impl::Acquire() {
   if (free_calls_.empty()) {
@@ -251,14 +426,8 @@ void Channel::Impl::Finish(Call* call, Status status, ResponsePayload payload, b
   if (call->state == CallState::kSent) {
     sent_.erase(call->id);
     if (call->conn) {
-      --call->conn->calls;
       if (tell_server && !call->conn->dead) SendControl(call->conn, rpc::FrameType::kCancel, call->id);
-      if (call->conn->goaway && call->conn->calls == 0 && !call->conn->dead) {
-        call->conn->dead = true;
-        call->conn->c->Close();
-        RDMARPC_LOG(kInfo, "channel", "event=disconnected target=", target_, " peer=", *call->conn->peer,
-                    " reason=\"goaway: drained\"");
-      }
+      ReleaseConnCall(call->conn);
     }
   }
   call->timer.cancel();
@@ -277,6 +446,16 @@ void Channel::Impl::Finish(Call* call, Status status, ResponsePayload payload, b
   free_calls_.push_back(call);
   --outstanding_;
   std::move(handler)(make_error_code(code), std::move(payload));
+}
+
+void Channel::Impl::ReleaseConnCall(const std::shared_ptr<Conn>& conn) {
+  --conn->calls;
+  if (conn->goaway && conn->calls == 0 && !conn->dead) {
+    conn->dead = true;
+    conn->c->Close();
+    RDMARPC_LOG(kInfo, "channel", "event=disconnected target=", target_, " peer=", *conn->peer,
+                " reason=\"goaway: drained\"");
+  }
 }
 
 void Channel::Impl::Send(Call* call) {
@@ -327,9 +506,16 @@ void Channel::Impl::Send(Call* call) {
   sent_.emplace(call->id, call);
   conn->c->Send(std::move(*buffer),
                 transport::WithHandlerMemory([self = shared_from_this(), c = conn](absl::Status st) {
-                  if (!st.ok()) return self->ConnFailed(c, Status::FromAbsl(st));
-                  if (!c->blocked.empty()) self->PumpBlocked(c);
+                  self->OnSendDone(c, st);
                 }));
+}
+
+void Channel::Impl::OnSendDone(const std::shared_ptr<Conn>& conn, const absl::Status& st) {
+  if (!st.ok()) return ConnFailed(conn, Status::FromAbsl(st));
+  if (!conn->blocked.empty()) PumpBlocked(conn);
+  if (!conn->stream_waiters.empty() && !conn->dead)
+    for (auto& w : std::exchange(conn->stream_waiters, {}))
+      if (auto s = w.lock()) s->OnSendSpace();
 }
 
 void Channel::Impl::PumpBlocked(const std::shared_ptr<Conn>& conn) {
@@ -498,6 +684,18 @@ void Channel::Impl::OnReceive(const std::shared_ptr<Conn>& conn, absl::StatusOr<
   switch (f.header.type) {
     case rpc::FrameType::kResponse: {
       auto it = sent_.find(f.header.call_id);
+      if (it == sent_.end()) {
+        if (auto st = streams_.find(f.header.call_id); st != streams_.end() && st->second->conn() == conn) {
+          std::shared_ptr<ClientStream> stream = st->second;
+          if (f.header.status == StatusCode::kOk) {
+            stream->OnTrailer(Status(), f.payload);
+          } else {
+            std::string text(reinterpret_cast<const char*>(f.payload.data()), f.payload.size());
+            stream->OnTrailer(Status(f.header.status, std::move(text)), {});
+          }
+          break;
+        }
+      }
       if (it == sent_.end() || it->second->conn != conn) {
         ++stats_.late_responses;  // completed already (deadline, cancel)
         break;
@@ -540,8 +738,24 @@ void Channel::Impl::OnReceive(const std::shared_ptr<Conn>& conn, absl::StatusOr<
       break;
     case rpc::FrameType::kPong:
       break;
+    case rpc::FrameType::kStreamMessage:
+    case rpc::FrameType::kWindow: {
+      auto st = streams_.find(f.header.call_id);
+      if (st == streams_.end() || st->second->conn() != conn) break;  // ended here already
+      std::shared_ptr<ClientStream> stream = st->second;
+      if (f.header.type == rpc::FrameType::kWindow) {
+        stream->OnWindow(f.header.method_id);
+      } else if (!stream->OnMessage(f.payload, f.header.timeout_us)) {
+        RDMARPC_LOG(kWarn, "channel", "event=bad_frame target=", target_,
+                    " error=\"stream message beyond the granted window\"");
+        ConnFailed(conn, InternalError("server sent a stream message beyond the window this client granted"));
+        return;
+      }
+      break;
+    }
     case rpc::FrameType::kRequest:
     case rpc::FrameType::kCancel:
+    case rpc::FrameType::kHalfClose:
       RDMARPC_LOG(kWarn, "channel", "event=bad_frame target=", target_, " error=\"server sent a client frame\"");
       ConnFailed(conn, InternalError("peer sent a request/cancel frame to a client"));
       return;
@@ -582,6 +796,10 @@ void Channel::Impl::FailCallsOn(const std::shared_ptr<Conn>* conn, const Status&
       if (r.live()) victims.push_back(r);
   for (Ref r : victims)
     if (r.live()) Finish(r.call, status, {}, false);
+  std::vector<std::shared_ptr<ClientStream>> streams;
+  for (auto& [id, st] : streams_)
+    if (conn == nullptr || st->conn() == *conn) streams.push_back(st);
+  for (auto& st : streams) st->Abort(status);
 }
 
 void Channel::Impl::Close() {
@@ -631,6 +849,25 @@ void Channel::StartCall(ClientContext& context, const MethodInfo& method, const 
                                  h = std::move(handler)]() mutable {
     impl->Start(context, method, nullptr, std::move(bytes), std::move(h));
   });
+}
+
+void Channel::StartStream(ClientContext& context, const MethodInfo& method, const google::protobuf::MessageLite* request,
+                          StreamOpenHandler handler) {
+  if (OnThisThread(impl_->executor())) {
+    impl_->StartStream(context, method, request, {}, std::move(handler));
+    return;
+  }
+  asio::post(impl_->executor(), [impl = impl_, &context, &method, bytes = request ? request->SerializeAsString() : std::string(),
+                                 h = std::move(handler)]() mutable {
+    impl->StartStream(context, method, nullptr, std::move(bytes), std::move(h));
+  });
+}
+
+void ChannelInterface::StartStream(ClientContext& context, const MethodInfo& method, const google::protobuf::MessageLite*,
+                                   StreamOpenHandler handler) {
+  context.SetResult(UnimplementedError(absl::StrCat(internal::Sv(method.full_name), ": this channel does not stream")));
+  transport::PostCompletion(get_executor(), std::move(handler), make_error_code(StatusCode::kUnimplemented),
+                            std::shared_ptr<internal::StreamCore>());
 }
 
 asio::any_io_executor Channel::get_executor() const { return impl_->executor(); }

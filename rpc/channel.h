@@ -49,6 +49,9 @@ struct ChannelOptions {
   // how a server whose host died after taking calls is found. interval 0 turns
   // it off (rpc/keepalive.h).
   KeepaliveOptions keepalive;
+  // Streams: messages the server may send ahead of this end's reads (the
+  // read window; ClientContext::set_stream_window overrides it per stream).
+  uint32_t stream_window = 64;
 };
 
 struct ChannelStats {
@@ -59,6 +62,8 @@ struct ChannelStats {
   uint64_t connect_failures = 0;
   uint64_t late_responses = 0;   // Responses for calls already completed (deadline/cancel).
   uint64_t keepalive_timeouts = 0;  // Connections declared dead: no answer to a PING.
+  uint64_t streams_started = 0;
+  uint64_t streams_open = 0;
 };
 
 class Channel final : public ChannelInterface {
@@ -82,6 +87,8 @@ class Channel final : public ChannelInterface {
 
   void StartCall(ClientContext& context, const MethodInfo& method,
                  const google::protobuf::MessageLite& request, CallHandler handler) override;
+  void StartStream(ClientContext& context, const MethodInfo& method, const google::protobuf::MessageLite* request,
+                   StreamOpenHandler handler) override;
   asio::any_io_executor get_executor() const override;
 
   // Idempotent. Pending calls complete with CANCELLED; later calls fail.

@@ -46,6 +46,11 @@ class ClientContext {
   void set_wait_for_ready(bool wait) { wait_for_ready_ = wait; }
   bool wait_for_ready() const { return wait_for_ready_; }
 
+  // Streams: messages this end lets the server send ahead of its reads
+  // (0: ChannelOptions::stream_window).
+  void set_stream_window(uint32_t messages) { stream_window_ = messages; }
+  uint32_t stream_window() const { return stream_window_; }
+
   // After completion: the call's full status (code and message) and the peer.
   const Status& status() const { return status_; }
   const std::string& peer() const {
@@ -62,6 +67,7 @@ class ClientContext {
   std::optional<Clock::time_point> deadline_;
   rpc::Metadata metadata_;
   bool wait_for_ready_ = false;
+  uint32_t stream_window_ = 0;
   Status status_;
   std::shared_ptr<const std::string> peer_;
 };

@@ -73,7 +73,7 @@ absl::Status DecodeFrame(std::span<const std::byte> bytes, DecodedFrame& out) {
   if (auto version = std::to_integer<uint8_t>(p[2]); version != kFrameVersion)
     return Bad(absl::StrCat("version ", version, ", this build speaks version ", kFrameVersion));
   auto type = std::to_integer<uint8_t>(p[3]);
-  if (type < static_cast<uint8_t>(FrameType::kRequest) || type > static_cast<uint8_t>(FrameType::kPong))
+  if (type < static_cast<uint8_t>(FrameType::kRequest) || type > kMaxFrameType)
     return Bad(absl::StrCat("unknown frame type ", type));
   if (auto flags = std::to_integer<uint8_t>(p[4]); flags != 0) return Bad(absl::StrCat("reserved flags 0x", absl::Hex(flags)));
   auto status = std::to_integer<uint8_t>(p[5]);
@@ -90,9 +90,12 @@ absl::Status DecodeFrame(std::span<const std::byte> bytes, DecodedFrame& out) {
   if (expected != bytes.size())
     return Bad(absl::StrCat("header says ", expected, " bytes (metadata ", h.metadata_length, ", payload ",
                             h.payload_length, "), message has ", bytes.size()));
-  const bool needs_call = h.type == FrameType::kRequest || h.type == FrameType::kResponse ||
-                          h.type == FrameType::kCancel;
+  const bool needs_call = h.type != FrameType::kGoaway && h.type != FrameType::kPing && h.type != FrameType::kPong;
   if (needs_call && h.call_id == 0) return Bad("call id 0");
+  if (h.type == FrameType::kWindow && (h.method_id == 0 || h.method_id > kMaxWindowGrant))
+    return Bad(absl::StrCat("window grant of ", h.method_id, " messages (1..", kMaxWindowGrant, ")"));
+  if ((h.type == FrameType::kWindow || h.type == FrameType::kHalfClose) && (h.payload_length | h.metadata_length) != 0)
+    return Bad("window/half-close frame with a body");
   if (h.type != FrameType::kResponse && h.status != StatusCode::kOk)
     return Bad("status set on a frame that is not a response");
   // Metadata: whole entries, exactly filling the block.

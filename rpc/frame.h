@@ -9,13 +9,21 @@
 //   4      1    flags (reserved, must be 0)
 //   5      1    status (StatusCode; RESPONSE only, else 0)
 //   6      2    metadata length M
-//   8      4    method id (REQUEST; else 0)
+//   8      4    method id (REQUEST); messages granted (WINDOW); else 0
+//               (STREAM_MESSAGE, HALF_CLOSE and WINDOW name their stream by call id)
 //   12     4    payload length P
 //   16     8    call id (non-zero for REQUEST/RESPONSE/CANCEL)
-//   24     8    timeout in microseconds, relative to receipt (REQUEST; 0 = none)
+//   24     8    timeout in microseconds, relative to receipt (REQUEST; 0 = none);
+//               the sender's sequence number (STREAM_MESSAGE)
 //   32     M    metadata: entries {u16 key length, u16 value length, key, value}
-//   32+M   P    payload: the serialised protobuf (REQUEST/RESPONSE with OK), or
-//               the status message (RESPONSE with an error)
+//   32+M   P    payload: the serialised protobuf (REQUEST/RESPONSE with OK,
+//               STREAM_MESSAGE), or the status message (RESPONSE with an error)
+//
+// Streams (rpc/stream.h) are calls too: a REQUEST opens one (its payload is
+// the request of a server-streaming method, empty otherwise), STREAM_MESSAGEs
+// flow both ways within the credits the receiver granted by WINDOW, the client
+// ends its side with HALF_CLOSE, and the server's RESPONSE ends the stream (its
+// payload is the response of a client-streaming method).
 //
 // The message's length must be exactly 32 + M + P. Deadlines travel as a
 // relative timeout, so the two hosts' clocks need not agree.
@@ -46,7 +54,13 @@ enum class FrameType : uint8_t {
   kGoaway = 4,   // server -> client: no new calls on this connection
   kPing = 5,
   kPong = 6,
+  kStreamMessage = 7,  // one message on stream `call_id`; timeout field = sequence number
+  kHalfClose = 8,      // client -> server: no more messages from the client on `call_id`
+  kWindow = 9,         // the receiver of `call_id` allows `method_id` more messages
 };
+inline constexpr uint8_t kMaxFrameType = 9;
+// At most this many messages granted by one WINDOW frame.
+inline constexpr uint32_t kMaxWindowGrant = 1u << 20;
 
 struct FrameHeader {
   FrameType type = FrameType::kRequest;

@@ -60,6 +60,8 @@ class Server::Impl : public std::enable_shared_from_this<Impl> {
 
  private:
   struct Call;
+  struct Conn;
+  class ServerStream;
   // Runs handlers one call after another. Handing a call to a parked worker
   // resumes it inline: a handler that completes without suspending costs no
   // co_spawn (no entry-point frame, no post, no new cancellation state). A
@@ -104,6 +106,10 @@ class Server::Impl : public std::enable_shared_from_this<Impl> {
     // connection closes only at zero: closing cancels queued sends, and the
     // last responses were lost that way (seen over RDMA in CI).
     size_t sends_in_flight = 0;
+    // Open streams by call id (their handler may have returned while the
+    // last messages wait for credits), and those waiting for send space.
+    absl::flat_hash_map<uint64_t, std::shared_ptr<ServerStream>> streams;
+    std::vector<std::weak_ptr<internal::StreamCore>> stream_waiters;
   };
   struct Call {
     explicit Call(const asio::any_io_executor& ex) : deadline_timer(ex) {}
@@ -118,6 +124,7 @@ class Server::Impl : public std::enable_shared_from_this<Impl> {
     ServerContext ctx;
     Worker* worker = nullptr;  // running this call's handler
     asio::steady_timer deadline_timer;
+    std::shared_ptr<ServerStream> stream;  // streaming methods
     bool answered = false;
     uint64_t generation = 0;  // bumped each time the object is recycled
   };
@@ -141,6 +148,8 @@ class Server::Impl : public std::enable_shared_from_this<Impl> {
   // false: no send space now (nothing sent).
   bool TrySend(const std::shared_ptr<Conn>& conn, uint64_t call_id, Status& status, const MessageLite* response);
   void PumpPending(const std::shared_ptr<Conn>& conn);
+  void OnSendDone(const std::shared_ptr<Conn>& conn, const absl::Status& st);
+  void OnStreamFrame(const std::shared_ptr<Conn>& conn, const rpc::DecodedFrame& f);
   void SendControl(const std::shared_ptr<Conn>& conn, rpc::FrameType type, bool close_after);
   void CloseConn(const std::shared_ptr<Conn>& conn, const Status& why);
   void MaybeCloseDrained(const std::shared_ptr<Conn>& conn);
@@ -171,9 +180,50 @@ class Server::Impl : public std::enable_shared_from_this<Impl> {
   std::string admin_uri_;
 };
 
+// The server's end of one stream.
+class Server::Impl::ServerStream final : public internal::StreamCore {
+ public:
+  ServerStream(std::shared_ptr<Impl> impl, std::shared_ptr<Conn> conn, uint64_t id, const MethodInfo& method,
+               uint32_t window)
+      : StreamCore(impl->ex_, Side::kServer, window, method.client_streaming, method.server_streaming),
+        impl_(std::move(impl)),
+        conn_(std::move(conn)),
+        id_(id) {}
+  using StreamCore::SetOpened;
+
+ protected:
+  absl::StatusOr<transport::SendBuffer> LinkPrepare(size_t size) override {
+    if (conn_->dead) return absl::UnavailableError("connection closed");
+    return conn_->c->Prepare(size);
+  }
+  void LinkSend(transport::SendBuffer buffer) override {
+    ++conn_->sends_in_flight;
+    conn_->c->Send(std::move(buffer), transport::WithHandlerMemory([impl = impl_, c = conn_](absl::Status st) {
+                     --c->sends_in_flight;
+                     impl->OnSendDone(c, st);
+                   }));
+  }
+  void LinkWaitForSendSpace() override { conn_->stream_waiters.push_back(weak_from_this()); }
+  size_t LinkMaxMessageSize() const override { return conn_->c->max_message_size(); }
+  uint64_t LinkStreamId() const override { return id_; }
+  // The handler cancelled its own stream operation: it returns an error,
+  // which answers the client.
+  void LinkCancelled() override {}
+  void LinkEnded() override {
+    if (auto it = conn_->streams.find(id_); it != conn_->streams.end() && it->second.get() == this)
+      conn_->streams.erase(it);  // may drop the last reference but one (the caller's)
+  }
+
+ private:
+  std::shared_ptr<Impl> impl_;
+  std::shared_ptr<Conn> conn_;
+  uint64_t id_;
+};
+
 void Server::Impl::Recycle::operator()(Call* call) const {
   ++call->generation;
   call->conn.reset();
+  call->stream.reset();
   call->answered = false;
   call->ctx.Reset(nullptr);
   auto& list = pool->free[call->method];
@@ -354,6 +404,16 @@ void Server::Impl::OnReceive(const std::shared_ptr<Conn>& conn, absl::StatusOr<M
     case rpc::FrameType::kCancel:
       if (auto it = conn->calls.find(f.header.call_id); it != conn->calls.end())
         CancelCall(it->second, StatusCode::kCancelled, nullptr);
+      if (auto it = conn->streams.find(f.header.call_id); it != conn->streams.end()) {
+        std::shared_ptr<ServerStream> st = it->second;
+        st->Abort(CancelledError("stream cancelled by the client"));
+      }
+      break;
+    case rpc::FrameType::kStreamMessage:
+    case rpc::FrameType::kHalfClose:
+    case rpc::FrameType::kWindow:
+      OnStreamFrame(conn, f);
+      if (conn->dead) return;
       break;
     case rpc::FrameType::kPing:
       message->Reset();
@@ -370,6 +430,31 @@ void Server::Impl::OnReceive(const std::shared_ptr<Conn>& conn, absl::StatusOr<M
       return;
   }
   if (!conn->dead) Receive(conn);
+}
+
+void Server::Impl::OnStreamFrame(const std::shared_ptr<Conn>& conn, const rpc::DecodedFrame& f) {
+  auto it = conn->streams.find(f.header.call_id);
+  if (it == conn->streams.end()) return;  // ended here already (late frame)
+  std::shared_ptr<ServerStream> stream = it->second;
+  bool ok = true;
+  switch (f.header.type) {
+    case rpc::FrameType::kStreamMessage:
+      ok = stream->OnMessage(f.payload, f.header.timeout_us);
+      break;
+    case rpc::FrameType::kHalfClose:
+      ok = stream->OnHalfClose();
+      break;
+    default:
+      stream->OnWindow(f.header.method_id);
+      break;
+  }
+  if (!ok) {
+    ++stats_.bad_frames;
+    RDMARPC_LOG(kWarn, "server", "event=bad_frame peer=", conn->peer, " error=\"stream ", f.header.call_id,
+                ": message beyond the granted window, after half-close, or to a stream that takes none\"",
+                " action=close_connection");
+    CloseConn(conn, InvalidArgumentError("stream protocol violation"));
+  }
 }
 
 void Server::Impl::OnRequest(const std::shared_ptr<Conn>& conn, Message message, const rpc::DecodedFrame& f) {
@@ -403,9 +488,13 @@ void Server::Impl::OnRequest(const std::shared_ptr<Conn>& conn, Message message,
                    nullptr);
   }
   const Entry entry = it->second;
-  if (entry.method->invoke == nullptr)
-    return reject(UnimplementedError(absl::StrCat(internal::Sv(entry.method->info.full_name),
-                                                  " is a streaming method; this server has no stream runtime")));
+  const MethodInfo& info = entry.method->info;
+  const bool streaming = info.client_streaming || info.server_streaming;
+  if (streaming ? entry.method->invoke_stream == nullptr : entry.method->invoke == nullptr)
+    return reject(UnimplementedError(absl::StrCat(internal::Sv(info.full_name), " has no handler entry")));
+  if (streaming && info.client_streaming && !f.payload.empty())
+    return reject(InvalidArgumentError(absl::StrCat(internal::Sv(info.full_name),
+                                                    ": a client-streaming REQUEST carries no payload")));
   CallPtr call = NewCall(entry.method);
   call->conn = conn;
   call->id = id;
@@ -418,9 +507,15 @@ void Server::Impl::OnRequest(const std::shared_ptr<Conn>& conn, Message message,
   call->ctx.Reset(&conn->peer);
   rpc::ParseMetadata(f.metadata, call->ctx.mutable_metadata());
   message.Reset();  // the receive buffer goes back to the transport (and its credit to the peer)
+  if (streaming) {
+    ++stats_.streams_started;
+    call->stream = std::make_shared<ServerStream>(shared_from_this(), conn, id, info, options_.stream_window);
+    conn->streams.emplace(id, call->stream);
+  }
   Call* raw = call.release();
   conn->calls.emplace(id, raw);
   ++stats_.calls_in_flight;
+  if (raw->stream) raw->stream->SetOpened();  // grants the client its window
   if (f.header.timeout_us != 0) {
     const auto deadline = now + std::chrono::microseconds(std::min<uint64_t>(f.header.timeout_us, uint64_t{1} << 40));
     raw->ctx.set_deadline(deadline);
@@ -469,7 +564,11 @@ asio::awaitable<void> Server::Impl::WorkerLoop(std::weak_ptr<Impl> weak, std::sh
       std::exception_ptr error;
       Status status;
       try {
-        status = co_await call->method->invoke(*call->service, call->ctx, *call->request, *call->response);
+        if (call->stream)
+          status = co_await call->method->invoke_stream(*call->service, call->ctx, *call->request, *call->response,
+                                                        call->stream);
+        else
+          status = co_await call->method->invoke(*call->service, call->ctx, *call->request, *call->response);
       } catch (...) {
         error = std::current_exception();
       }
@@ -495,6 +594,7 @@ void Server::Impl::CancelCall(Call* call, StatusCode reason, const Status* answe
   if (call->ctx.is_cancelled()) return;
   ++stats_.calls_cancelled;
   call->ctx.MarkCancelled(reason);
+  if (call->stream) call->stream->Abort(Status(reason, "call cancelled"));
   if (!call->answered) {
     call->answered = true;
     if (answer != nullptr) Respond(call->conn, call->id, *answer, nullptr);
@@ -527,7 +627,22 @@ void Server::Impl::OnHandlerDone(Call* raw, std::exception_ptr error, Status sta
     }
     call->metrics->Record(status.code(), Clock::now() - call->received);
     call->answered = true;
-    Respond(conn, id, std::move(status), std::move(call));  // frees the call once sent
+    if (call->stream) {
+      // The RESPONSE ends the stream: it goes after every message the
+      // handler wrote (some may still wait for the client's credits).
+      std::shared_ptr<ServerStream> stream = call->stream;
+      const bool has_response = call->method->info.client_streaming && !call->method->info.server_streaming;
+      stream->CloseWrites([self = shared_from_this(), conn, id, stream, has_response, status = std::move(status),
+                           call = std::move(call)]() mutable {
+        if (auto it = conn->streams.find(id); it != conn->streams.end() && it->second == stream) conn->streams.erase(it);
+        if (!has_response) call.reset();
+        self->Respond(conn, id, std::move(status), std::move(call));
+        stream->Abort(Status());  // over: later frames for it are dropped
+      });
+      call.reset();
+    } else {
+      Respond(conn, id, std::move(status), std::move(call));  // frees the call once sent
+    }
   } else {
     // Answered (deadline, shutdown) or abandoned (client cancel, disconnect) by a cancellation.
     call->metrics->Record(call->ctx.is_cancelled() ? call->ctx.cancel_reason() : StatusCode::kCancelled,
@@ -567,7 +682,7 @@ void Server::Impl::PumpPending(const std::shared_ptr<Conn>& conn) {
 bool Server::Impl::TrySend(const std::shared_ptr<Conn>& conn, uint64_t call_id, Status& status,
                            const MessageLite* response) {
   if (conn->dead) return true;
-  size_t body = status.ok() ? response->ByteSizeLong() : status.message().size();
+  size_t body = status.ok() ? (response != nullptr ? response->ByteSizeLong() : 0) : status.message().size();
   if (status.ok() && rpc::kFrameHeaderSize + body > conn->c->max_message_size()) {
     status = ResourceExhaustedError(absl::StrCat("response of ", body, " bytes exceeds the connection's ",
                                                  conn->c->max_message_size(), "-byte message limit"));
@@ -592,20 +707,27 @@ bool Server::Impl::TrySend(const std::shared_ptr<Conn>& conn, uint64_t call_id, 
   h.call_id = call_id;
   std::span<std::byte> out = buffer->data();
   rpc::EncodeFrameHead(h, {}, out);
-  if (status.ok())
+  if (status.ok() && response != nullptr)
     response->SerializeWithCachedSizesToArray(reinterpret_cast<uint8_t*>(out.data() + rpc::kFrameHeaderSize));
   else if (body > 0)
     std::memcpy(out.data() + rpc::kFrameHeaderSize, status.message().data(), body);
   ++conn->sends_in_flight;
   conn->c->Send(std::move(*buffer), transport::WithHandlerMemory([self = shared_from_this(), conn](absl::Status st) {
     --conn->sends_in_flight;
-    if (!st.ok()) return self->CloseConn(conn, Status::FromAbsl(st));
-    if (!conn->pending.empty())
-      self->PumpPending(conn);
-    else if (self->shutting_down_)
-      self->MaybeCloseDrained(conn);
+    self->OnSendDone(conn, st);
   }));
   return true;
+}
+
+void Server::Impl::OnSendDone(const std::shared_ptr<Conn>& conn, const absl::Status& st) {
+  if (!st.ok()) return CloseConn(conn, Status::FromAbsl(st));
+  if (!conn->pending.empty())
+    PumpPending(conn);
+  else if (shutting_down_)
+    MaybeCloseDrained(conn);
+  if (!conn->stream_waiters.empty() && !conn->dead)
+    for (auto& w : std::exchange(conn->stream_waiters, {}))
+      if (auto s = w.lock()) s->OnSendSpace();
 }
 
 void Server::Impl::SendControl(const std::shared_ptr<Conn>& conn, rpc::FrameType type, bool close_after) {
@@ -641,12 +763,17 @@ void Server::Impl::CloseConn(const std::shared_ptr<Conn>& conn, const Status& wh
     call->answered = true;  // nobody to answer
     CancelCall(call, StatusCode::kUnavailable, nullptr);
   }
+  std::vector<std::shared_ptr<ServerStream>> streams;
+  for (auto& [id, st] : conn->streams) streams.push_back(st);
+  for (auto& st : streams) st->Abort(UnavailableError("connection closed"));
+  conn->streams.clear();
+  conn->stream_waiters.clear();
   MaybeFinishShutdown();
 }
 
 void Server::Impl::MaybeCloseDrained(const std::shared_ptr<Conn>& conn) {
   if ((shutting_down_ || stopped_) && conn->calls.empty() && conn->pending.empty() && conn->sends_in_flight == 0 &&
-      !conn->dead) {
+      conn->streams.empty() && !conn->dead) {
     // Every response has been sent (completed); close from the executor after
     // this turn, not inside the completion that got us here.
     asio::post(ex_, [self = shared_from_this(), conn] { self->CloseConn(conn, Status(StatusCode::kUnavailable, "drained")); });

@@ -12,8 +12,11 @@
 // what it awaits; ServerContext::is_cancelled()). A CANCEL from the client, or
 // the client's connection dropping, cancels the handler the same way.
 //
+// Streaming methods (rpc/stream.h) are calls whose handler gets a stream end;
+// the handler's return ends the stream after every message it wrote.
+//
 // Errors answered without running a handler: UNIMPLEMENTED (method not
-// served, or a streaming method), INVALID_ARGUMENT (request does not parse),
+// served), INVALID_ARGUMENT (request does not parse),
 // RESOURCE_EXHAUSTED (too many calls in flight on the connection, or a
 // response too big for it), UNAVAILABLE (server shutting down). A malformed
 // frame closes that connection only (logged with its reason).
@@ -73,6 +76,8 @@ struct ServerOptions {
   // min(interval, timeout) / 4 of its last frame (defaults: 25 s).
   // interval 0 turns it off (rpc/keepalive.h).
   KeepaliveOptions keepalive;
+  // Streams: messages a client may send ahead of the handler's reads.
+  uint32_t stream_window = 64;
 };
 
 struct ServerStats {
@@ -87,6 +92,7 @@ struct ServerStats {
   uint64_t bad_frames = 0;            // Connections closed for a malformed frame.
   uint64_t keepalive_closed = 0;      // Closed: no answer to a keepalive PING.
   uint64_t unknown_methods = 0;
+  uint64_t streams_started = 0;       // Calls of streaming methods (also in calls_started).
 };
 
 class Server {

@@ -4,6 +4,7 @@
 // UNIMPLEMENTED).
 #pragma once
 
+#include <memory>
 #include <span>
 #include <string_view>
 
@@ -13,6 +14,7 @@
 #include "rpc/context.h"
 #include "rpc/method_id.h"
 #include "rpc/status.h"
+#include "rpc/stream_core.h"
 
 namespace rdmarpc {
 
@@ -25,13 +27,19 @@ class Service {
   using UnaryInvoker = asio::awaitable<Status> (*)(Service& service, ServerContext& context,
                                                    const google::protobuf::MessageLite& request,
                                                    google::protobuf::MessageLite& response);
+  // Calls the handler of a streaming method: `request` is parsed (server
+  // streaming), `response` is answered (client streaming), the stream carries
+  // the rest (the generated trampoline wraps it in the typed end).
+  using StreamInvoker = asio::awaitable<Status> (*)(Service& service, ServerContext& context,
+                                                    const google::protobuf::MessageLite& request,
+                                                    google::protobuf::MessageLite& response,
+                                                    std::shared_ptr<internal::StreamCore> stream);
   struct Method {
     MethodInfo info;
     const google::protobuf::MessageLite& (*request_prototype)();
     const google::protobuf::MessageLite& (*response_prototype)();
-    // Null for streaming methods: the stream runtime is not part of this
-    // release; the server answers them UNIMPLEMENTED.
-    UnaryInvoker invoke;
+    UnaryInvoker invoke;         // unary methods, else null
+    StreamInvoker invoke_stream;  // streaming methods, else null
   };
 
   virtual ~Service() = default;

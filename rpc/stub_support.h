@@ -134,19 +134,45 @@ struct boost::asio::associator<Associator, rdmarpc::internal::UnaryIntoCompletio
 
 namespace rdmarpc::internal {
 
-// Streaming methods: the stream runtime is not in this release (rpc/stream.h);
-// the call completes UNIMPLEMENTED without touching the network.
-template <typename StreamEnd, typename Token>
-auto AsyncStreamUnavailable(std::shared_ptr<ChannelInterface> channel, ClientContext& ctx, const MethodInfo& method,
-                            Token&& token) {
-  return asio::async_initiate<Token, void(boost::system::error_code, StreamEnd)>(
-      [](auto handler, std::shared_ptr<ChannelInterface> ch, ClientContext* c, const MethodInfo* m) {
-        c->SetResult(UnimplementedError(absl::StrCat(Sv(m->full_name), " is a streaming method; streams are not in this release")));
-        // post() runs it on the handler's associated executor (default: the channel's).
-        asio::post(ch->get_executor(),
-                   asio::append(std::move(handler), make_error_code(StatusCode::kUnimplemented), StreamEnd{}));
+// Completes a stream open with the typed client end (End wraps the core).
+template <typename End, typename Handler>
+class StreamOpenCompletion {
+ public:
+  StreamOpenCompletion(Handler handler, asio::any_io_executor fallback)
+      : handler_(std::move(handler)), fallback_(std::move(fallback)) {}
+  void operator()(boost::system::error_code ec, std::shared_ptr<StreamCore> core) {
+    transport::DispatchCompletion(fallback_, std::move(handler_), ec, End(std::move(core)));
+  }
+  Handler handler_;
+
+ private:
+  asio::any_io_executor fallback_;
+};
+
+template <typename End, typename Token>
+auto AsyncOpenStream(std::shared_ptr<ChannelInterface> channel, ClientContext& ctx, const MethodInfo& method,
+                     const google::protobuf::MessageLite* request, Token&& token) {
+  return asio::async_initiate<Token, void(boost::system::error_code, End)>(
+      [](auto handler, std::shared_ptr<ChannelInterface> ch, ClientContext* c, const MethodInfo* m,
+         const google::protobuf::MessageLite* r) {
+        auto ex = ch->get_executor();
+        using H = decltype(handler);
+        ch->StartStream(*c, *m, r, StreamOpenHandler(StreamOpenCompletion<End, H>(std::move(handler), std::move(ex))));
       },
-      token, std::move(channel), &ctx, &method);
+      token, std::move(channel), &ctx, &method, request);
 }
 
 }  // namespace rdmarpc::internal
+
+template <template <typename, typename> class Associator, typename End, typename Handler, typename Default>
+struct boost::asio::associator<Associator, rdmarpc::internal::StreamOpenCompletion<End, Handler>, Default>
+    : Associator<Handler, Default> {
+  static typename Associator<Handler, Default>::type get(
+      const rdmarpc::internal::StreamOpenCompletion<End, Handler>& h) noexcept {
+    return Associator<Handler, Default>::get(h.handler_);
+  }
+  static auto get(const rdmarpc::internal::StreamOpenCompletion<End, Handler>& h, const Default& d) noexcept
+      -> decltype(Associator<Handler, Default>::get(h.handler_, d)) {
+    return Associator<Handler, Default>::get(h.handler_, d);
+  }
+};

@@ -99,7 +99,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   FUZZ_CHECK(f.payload.size() == h.payload_length, f.payload.size(), " vs ", h.payload_length);
   FUZZ_CHECK(rpc::kFrameHeaderSize + f.metadata.size() + f.payload.size() == size, "frame does not fill the message");
   const auto type = static_cast<uint8_t>(h.type);
-  FUZZ_CHECK(type >= static_cast<uint8_t>(rpc::FrameType::kRequest) && type <= static_cast<uint8_t>(rpc::FrameType::kPong),
+  FUZZ_CHECK(type >= static_cast<uint8_t>(rpc::FrameType::kRequest) && type <= rpc::kMaxFrameType,
              "type ", type);
   FUZZ_CHECK(static_cast<uint8_t>(h.status) <= kMaxStatusCode, "status ", static_cast<int>(h.status));
   FUZZ_CHECK(h.type == rpc::FrameType::kResponse || h.status == StatusCode::kOk, "status on a non-response");
