@@ -157,7 +157,7 @@ void StreamCore::Write(const MessageLite* message, std::string bytes, StreamHand
   const size_t body = message != nullptr ? message->ByteSizeLong() : bytes.size();
   if (rpc::kFrameHeaderSize + body > LinkMaxMessageSize())
     return Complete(op, make_error_code(StatusCode::kResourceExhausted), false, ex_);
-  if (out_.empty() && opened_ && send_credits_ > 0 && !waiting_for_space_ && window_owed_ == 0) {
+  if (out_.empty() && opened_ && send_credits_ > 0 && !waiting_for_space_) {
     bool failed = false;
     if (SendFrame(rpc::FrameType::kStreamMessage, 0, next_sequence_ + 1, std::as_bytes(std::span(bytes)), message, &failed)) {
       ++next_sequence_;
@@ -187,9 +187,8 @@ bool StreamCore::TryWriteBytes(std::span<const std::byte> bytes, uint64_t sequen
                                                LinkMaxMessageSize(), "-byte limit")));
     return false;
   }
-  if (!out_.empty() || !opened_ || send_credits_ == 0 || waiting_for_space_ || window_owed_ != 0) {
+  if (!out_.empty() || !opened_ || send_credits_ == 0 || waiting_for_space_) {
     observer_waiting_ = true;
-    if (window_owed_ != 0) PumpOut();
     return false;
   }
   bool failed = false;
