@@ -238,6 +238,7 @@ LocalRunResult RunLocal(const LocalRunOptions& options) {
       std::this_thread::sleep_for(std::chrono::milliseconds(2));
     }
   }
+  const auto feed_start = std::chrono::steady_clock::now();
   if (st.ok()) {
     auto feed = asio::co_spawn(server_io, RunFeed(*publisher, options.feed), asio::use_future);
     result.feed = feed.get();
@@ -248,6 +249,7 @@ LocalRunResult RunLocal(const LocalRunOptions& options) {
     return 0;
   });
   for (auto& f : subs) result.subscribers.push_back(f.get());
+  result.delivery_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - feed_start).count();
   result.publisher = on_server([&] { return publisher->stats(); });
   on_server([&] {
     for (auto& ch : channels) ch->Close();

@@ -98,6 +98,7 @@ struct LocalRunOptions {
 struct LocalRunResult {
   std::vector<SubscriberResult> subscribers;
   FeedResult feed;
+  double delivery_seconds = 0;  // feed start to the last subscriber's last tick
   PublisherStats publisher;
   Status status;
 };

@@ -55,6 +55,11 @@ std::vector<Seed> Seeds() {
   seeds.push_back({"goaway", Encode(FrameHeader{.type = FrameType::kGoaway}, {}, "")});
   seeds.push_back({"ping", Encode(FrameHeader{.type = FrameType::kPing}, {}, "")});
   seeds.push_back({"pong", Encode(FrameHeader{.type = FrameType::kPong}, {}, "")});
+  seeds.push_back({"stream-message", Encode(FrameHeader{.type = FrameType::kStreamMessage, .call_id = 3, .timeout_us = 17},
+                                            {}, std::string("\x0a\x01x", 3))});
+  seeds.push_back({"half-close", Encode(FrameHeader{.type = FrameType::kHalfClose, .call_id = 3}, {}, "")});
+  seeds.push_back({"window", Encode(FrameHeader{.type = FrameType::kWindow, .method_id = 64, .call_id = 3}, {}, "")});
+  seeds.push_back({"window-zero", Encode(FrameHeader{.type = FrameType::kWindow, .method_id = 0, .call_id = 3}, {}, "")});
   // Edge cases: the most metadata entries allowed, and one more; an empty key
   // (the encoder writes what it is given; the decoder must refuse it).
   Metadata many;
@@ -103,8 +108,12 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
              "type ", type);
   FUZZ_CHECK(static_cast<uint8_t>(h.status) <= kMaxStatusCode, "status ", static_cast<int>(h.status));
   FUZZ_CHECK(h.type == rpc::FrameType::kResponse || h.status == StatusCode::kOk, "status on a non-response");
-  if (h.type == rpc::FrameType::kRequest || h.type == rpc::FrameType::kResponse || h.type == rpc::FrameType::kCancel)
+  if (h.type != rpc::FrameType::kGoaway && h.type != rpc::FrameType::kPing && h.type != rpc::FrameType::kPong)
     FUZZ_CHECK(h.call_id != 0, "call id 0 accepted");
+  if (h.type == rpc::FrameType::kWindow)
+    FUZZ_CHECK(h.method_id >= 1 && h.method_id <= rpc::kMaxWindowGrant, "window grant ", h.method_id, " accepted");
+  if (h.type == rpc::FrameType::kWindow || h.type == rpc::FrameType::kHalfClose)
+    FUZZ_CHECK(size == rpc::kFrameHeaderSize, "window/half-close with a body accepted");
 
   rpc::Metadata metadata;
   rpc::ParseMetadata(f.metadata, metadata);

@@ -149,6 +149,11 @@ std::vector<Seed> Seeds() {
   seeds.push_back({"fail", Input({Request(TestSvc::kFailId, 6, fail), Request(TestSvc::kFailId, 7, fail_ok)})});
   seeds.push_back({"throw", Input({Request(TestSvc::kThrowId, 8, empty)})});
   seeds.push_back({"streaming-method", Input({Request(TestSvc::kStreamId, 9, hello)})});
+  seeds.push_back({"stream-frames", Input({Request(TestSvc::kStreamId, 9, hello),
+                                           Frame({.type = rpc::FrameType::kWindow, .method_id = 8, .call_id = 9}, ""),
+                                           Frame({.type = rpc::FrameType::kStreamMessage, .call_id = 9}, "x"),
+                                           Frame({.type = rpc::FrameType::kHalfClose, .call_id = 9}, ""),
+                                           Request(TestSvc::kEchoId, 10, hello)})});
   seeds.push_back({"unknown-method", Input({Request(0x1234'5678, 9, empty)})});
   seeds.push_back({"unparseable-request", Input({Frame({.type = rpc::FrameType::kRequest, .method_id = TestSvc::kEchoId,
                                                         .call_id = 11},

@@ -376,7 +376,12 @@ TEST_P(RpcSuite, AStreamDeadlineEndsBothSides) {
     EXPECT_EQ(ToStatusCode(rec), StatusCode::kDeadlineExceeded) << rec.message();
     EXPECT_LT(Clock::now() - start, std::chrono::seconds(5));
     EXPECT_TRUE(co_await env.WaitFor([&] { return env.service.ended_by_error == 1; }));
-    EXPECT_EQ(env.service.end_code.load(), StatusCode::kDeadlineExceeded);
+    // The server's own timer, or the CANCEL the client sends when its timer
+    // fires (whichever comes first: the server's deadline is later by the
+    // REQUEST's one-way trip).
+    const StatusCode server_saw = env.service.end_code.load();
+    EXPECT_TRUE(server_saw == StatusCode::kDeadlineExceeded || server_saw == StatusCode::kCancelled)
+        << static_cast<int>(server_saw);
   });
 }
 
