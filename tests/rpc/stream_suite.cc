@@ -73,6 +73,7 @@ class StreamService final : public EchoSvc::Service {
       if (ec) co_return Status(ToStatusCode(ec), "read failed");
       if (p.meta().seq() != count) co_return InvalidArgumentError("out of order");
       ++count;
+      if (p.data() == "stop-after-5" && count == 5) co_return Status(StatusCode::kResourceExhausted, "enough");
     }
     response.mutable_meta()->set_seq(count);
     co_return Status();
@@ -213,6 +214,32 @@ TEST_P(RpcSuite, ClientStreamSendsInOrderAndGetsOneResponse) {
     auto [fec] = co_await writer.async_finish(response, kTuple);  // half-closes first
     EXPECT_FALSE(fec) << ctx.status().ToString();
     EXPECT_EQ(response.meta().seq(), 5'000u);
+  });
+}
+
+// The server ends a client stream early: the client's next writes and its
+// finish get the server's status; nothing hangs.
+TEST_P(RpcSuite, AServerThatEndsAClientStreamEarlyStopsTheClientsWrites) {
+  StreamEnv env(GetParam(), /*server_window=*/4);
+  env.Run([&]() -> asio::awaitable<void> {
+    EchoSvc::Stub stub(env.channel());
+    ClientContext ctx;
+    auto [ec, writer] = co_await stub.async_ClientStream(ctx, kTuple);
+    EXPECT_FALSE(ec);
+    Payload p;
+    p.set_data("stop-after-5");
+    boost::system::error_code wec;
+    uint64_t i = 0;
+    for (; i < 10'000 && !wec; ++i) {
+      p.mutable_meta()->set_seq(i);
+      std::tie(wec) = co_await writer.async_write(p, kTuple);
+    }
+    EXPECT_EQ(ToStatusCode(wec), StatusCode::kResourceExhausted) << wec.message();
+    EXPECT_LT(i, 100u) << "the client kept writing into a stream the server had ended";
+    Payload response;
+    auto [fec] = co_await writer.async_finish(response, kTuple);
+    EXPECT_EQ(ToStatusCode(fec), StatusCode::kResourceExhausted);
+    EXPECT_EQ(ctx.status().message(), "enough");
   });
 }
 

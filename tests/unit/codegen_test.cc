@@ -71,6 +71,11 @@ using rdmarpc::ServerContext;
 using rdmarpc::Status;
 using rdmarpc::test::Payload;
 
+template <typename End>
+struct EndHandler {
+  void operator()(boost::system::error_code, End) const {}
+};
+
 TEST(Codegen, ServiceBaseHasOneCoroutinePerMethodWithTheRightShape) {
   using S = Echo::Service;
   static_assert(std::is_same_v<decltype(&S::Unary),
@@ -85,12 +90,22 @@ TEST(Codegen, ServiceBaseHasOneCoroutinePerMethodWithTheRightShape) {
                                asio::awaitable<Status> (S::*)(ServerContext&,
                                                               rdmarpc::ServerReaderWriter<Payload, Payload>&)>);
   static_assert(std::is_base_of_v<rdmarpc::Service, S>);
+  // The stub opens streams: the completion carries the typed client end.
+  static_assert(requires(Echo::Stub s, rdmarpc::ClientContext& c, const Payload& p) {
+    s.async_ServerStream(c, p, EndHandler<rdmarpc::ClientReader<Payload>>{});
+    s.async_ClientStream(c, EndHandler<rdmarpc::ClientWriter<Payload, Payload>>{});
+    s.async_Bidi(c, EndHandler<rdmarpc::ClientReaderWriter<Payload, Payload>>{});
+  });
   struct Impl final : S {};
   Impl impl;
   EXPECT_EQ(impl.service_name(), "rdmarpc.test.Echo");
   ASSERT_EQ(impl.methods().size(), 5u);
-  EXPECT_NE(impl.methods()[0].invoke, nullptr);   // unary: dispatchable
-  EXPECT_EQ(impl.methods()[2].invoke, nullptr);   // streaming: no runtime yet
+  EXPECT_NE(impl.methods()[0].invoke, nullptr);   // unary: a unary trampoline
+  EXPECT_EQ(impl.methods()[0].invoke_stream, nullptr);
+  for (size_t i = 2; i < 5; ++i) {                 // streaming: a stream trampoline
+    EXPECT_EQ(impl.methods()[i].invoke, nullptr) << i;
+    EXPECT_NE(impl.methods()[i].invoke_stream, nullptr) << i;
+  }
   EXPECT_EQ(&impl.methods()[1].request_prototype(), &rdmarpc::test::Payload_Meta::default_instance());
 }
 
