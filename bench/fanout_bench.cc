@@ -11,6 +11,9 @@
 //    (shown: the mean of the subscribers' P50, the worst P99 and P99.9).
 //  - throughput: --ticks as fast as the slowest subscriber takes them
 //    (block); aggregate ticks/s delivered = subscribers x ticks / time.
+//  - stalled subscriber (--stall yes): 4 subscribers at --rate, one reading
+//    nothing until the feed ends under drop_oldest or conflate (queue 64,
+//    window 8), against none: the other three's worst P99 and max latency.
 // rdma:// needs a local address on an RDMA device (tools/rxe-vm exports
 // RXE_VM_SELF_IP and RXE_VM_DEV); absolute numbers from a VM mean little,
 // the tcp/rdma ratios of one run do.
@@ -29,7 +32,8 @@ namespace {
 
 const char kUsage[] =
     "usage: fanout_bench [--transport rdma,tcp] [--ip LOCAL_IP] [--device NAME] [--subscribers 1,4,16]\n"
-    "         [--rate 10000] [--seconds 2] [--ticks 50000] [--tick-bytes 64] [--poll event|adaptive|busy]\n";
+          "         [--rate 10000] [--seconds 2] [--ticks 50000] [--tick-bytes 64] [--poll event|adaptive|busy]\n"
+    "         [--stall yes|no]\n";
 
 struct Row {
   std::string transport;
@@ -44,7 +48,7 @@ struct Row {
 
 int main(int argc, char** argv) {
   rdmarpc::examples::Flags flags;
-  if (!flags.Parse(argc, argv, {"transport", "ip", "device", "subscribers", "rate", "seconds", "ticks", "tick-bytes", "poll"},
+  if (!flags.Parse(argc, argv, {"transport", "ip", "device", "subscribers", "rate", "seconds", "ticks", "tick-bytes", "poll", "stall"},
                    kUsage))
     return flags.help() ? 0 : 2;
   unsigned long long rate, seconds, ticks, tick_bytes;
@@ -67,6 +71,7 @@ int main(int argc, char** argv) {
   }
   rdmarpc::TransportOptions transport;
   transport.rdma_device.name = flags.Get("device", env_dev ? env_dev : "");
+  const bool stall_rows = flags.Get("stall", "yes") != "no";
   const std::string poll = flags.Get("poll", "event");
   if (poll == "event") transport.rdma.poll_mode = rdmarpc::rdma::PollMode::kEvent;
   else if (poll == "adaptive") transport.rdma.poll_mode = rdmarpc::rdma::PollMode::kAdaptive;
@@ -130,6 +135,47 @@ int main(int argc, char** argv) {
       rows.push_back(row);
     }
   }
+  // A stalled subscriber: subscriber 0 reads nothing until the feed is over
+  // while 3 others read; their latency next to a run without the staller.
+  if (stall_rows) {
+    std::printf("\nstalled subscriber: 4 subscribers at %llu ticks/s, subscriber 0 reads nothing until the feed ends;\n"
+                "latency of the other 3 (worst P99, max), us; the staller's received/missed ticks\n",
+                rate);
+    std::printf("%-5s %-12s %10s %10s %10s %10s\n", "via", "staller", "p99", "max", "stall got", "stall miss");
+    for (const std::string& t : transports) {
+      for (const char* policy : {"none", "drop_oldest", "conflate"}) {
+        md::LocalRunOptions o;
+        o.listen_uri = t == "tcp" ? "tcp://127.0.0.1:0" : "rdma://" + ip + ":0";
+        o.transport = transport;
+        o.subscribers = 4;
+        o.feed.tick_bytes = tick_bytes;
+        o.feed.symbols = 100;
+        o.feed.rate = rate;
+        o.feed.ticks = rate * seconds;
+        o.subscriber.queue_limit = 1'000'000;  // the readers never drop
+        if (std::string(policy) != "none") {
+          md::SubscriberOptions stalled;
+          stalled.policy = policy;
+          stalled.queue_limit = 64;
+          stalled.window = 8;
+          stalled.stall_until_feed_done = true;
+          o.overrides = {stalled};
+        }
+        auto r = md::RunLocal(o);
+        double p99 = 0, max = 0;
+        for (size_t i = 1; i < r.subscribers.size(); ++i) {
+          p99 = std::max(p99, md::PercentileUs(r.subscribers[i].latency_ns, 0.99));
+          max = std::max(max, md::PercentileUs(r.subscribers[i].latency_ns, 1.0));
+        }
+        const auto& s0 = r.subscribers.empty() ? md::SubscriberResult{} : r.subscribers[0];
+        std::printf("%-5s %-12s %10.1f %10.1f %10llu %10llu %s\n", t.c_str(), policy, p99, max,
+                    (unsigned long long)s0.ticks, (unsigned long long)s0.missed,
+                    r.status.ok() ? "" : r.status.ToString().c_str());
+        std::fflush(stdout);
+      }
+    }
+  }
+
   // Ratios where both transports ran.
   bool header = false;
   for (int n : counts) {
