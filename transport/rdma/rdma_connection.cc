@@ -635,6 +635,11 @@ class RdmaConnectionImpl final : public std::enable_shared_from_this<RdmaConnect
       return;
     }
     it->second.grant = *g;
+    if (opt_.test_rewrite_grant) {
+      RdmaOptions::GrantForTest t{g->addr, g->rkey, g->grant_id, h.length};
+      opt_.test_rewrite_grant(t);
+      it->second.grant = wire::Grant{t.addr, t.rkey, t.grant_id};
+    }
     control_.push_back({Op::kWrite, 0, 0, h.cookie, {}});
   }
 

@@ -18,6 +18,7 @@
 #include <atomic>
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 
@@ -80,6 +81,17 @@ struct RdmaOptions {
   // max_message_size still pass. Without it a peer's 64 RTS credits could make
   // us register 64 x max_message_size at once.
   size_t max_rendezvous_bytes_held = size_t{64} << 20;
+  // Tests only (tests/rdma/rkey_attack_rdma_test.cc): called with every grant
+  // this end receives, before it RDMA WRITEs into it; it may rewrite the grant
+  // to play an attacker (an rkey it was not given, a guessed one, a grant
+  // whose transfer already completed). Null in production.
+  struct GrantForTest {
+    uint64_t addr;
+    uint32_t rkey;
+    uint32_t grant_id;
+    uint64_t length;
+  };
+  std::function<void(GrantForTest&)> test_rewrite_grant;
   // Shared secret (transport/common/auth.h), checked in the rdma_cm connect
   // before the listener creates a QP or registers memory. Listener: non-empty
   // rejects clients without a matching proof (they see UNAUTHENTICATED);
