@@ -303,7 +303,7 @@ class RdmaConnectionImpl final : public std::enable_shared_from_this<RdmaConnect
         }
         break;
       case kTokRecvSlot:
-        if (error_.ok()) {
+        if (error_.ok() && !StalledForTest()) {
           if (auto st = PostRecv(static_cast<uint32_t>(index)); !st.ok()) {
             Fail(st);
             return;
@@ -377,6 +377,12 @@ class RdmaConnectionImpl final : public std::enable_shared_from_this<RdmaConnect
     if (!mr.ok()) return mr.status();
     b.mr = std::move(*mr);
     return b;
+  }
+
+  // The test hook RdmaOptions::test_stop_reposting_receives: consumed
+  // receives are dropped instead of reposted (the slot is lost for good).
+  bool StalledForTest() const {
+    return opt_.test_stop_reposting_receives && opt_.test_stop_reposting_receives->load(std::memory_order_relaxed);
   }
 
   absl::Status PostRecv(uint32_t slot) {
@@ -556,6 +562,7 @@ class RdmaConnectionImpl final : public std::enable_shared_from_this<RdmaConnect
     switch (h->type) {
       case wire::Type::kCredit:
         // Its RECV goes back at once (credits.h explains why).
+        if (StalledForTest()) break;
         if (auto st = PostRecv(slot); !st.ok()) return Fail(st);
         ledger_->OnReposted(CreditLedger::Kind::kCtrl);
         break;
@@ -580,6 +587,7 @@ class RdmaConnectionImpl final : public std::enable_shared_from_this<RdmaConnect
   // RTS, CTS and WRITE_WITH_IMM RECVs go back at once; RTS counts against
   // data credits (it is a message), the others against ctrl credits.
   void RepostAfterControl(uint32_t slot, CreditLedger::Kind kind) {
+    if (StalledForTest()) return;
     if (auto st = PostRecv(slot); !st.ok()) return Fail(st);
     ledger_->OnReposted(kind);
   }

@@ -92,6 +92,11 @@ struct RdmaOptions {
     uint64_t length;
   };
   std::function<void(GrantForTest&)> test_rewrite_grant;
+  // Tests only: while it holds true, this end stops reposting the receives
+  // it consumes (a peer that stopped servicing its receive queue; issue 8
+  // scenario 7). Its sender sees no credits come back and waits; RNR cannot
+  // happen because nothing is sent without a credit. Null in production.
+  std::shared_ptr<std::atomic<bool>> test_stop_reposting_receives;
   // Shared secret (transport/common/auth.h), checked in the rdma_cm connect
   // before the listener creates a QP or registers memory. Listener: non-empty
   // rejects clients without a matching proof (they see UNAUTHENTICATED);
