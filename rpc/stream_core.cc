@@ -102,13 +102,13 @@ void StreamCore::Arm(PendingOp& op, StreamHandler handler) {
 
 // Never inline: the operation that triggers a completion may be the
 // application's own next call.
-void StreamCore::Complete(PendingOp& op, boost::system::error_code ec, bool, const asio::any_io_executor& ex) {
+void StreamCore::Complete(PendingOp& op, boost::system::error_code ec) {
   if (!op.handler) return;
   if (op.slot.is_connected()) op.slot.clear();
   op.slot = {};
   StreamHandler h;
   h.swap(op.handler);
-  transport::PostCompletion(ex, std::move(h), ec);
+  transport::PostCompletion(ex_, std::move(h), ec);
 }
 
 boost::system::error_code StreamCore::EndCode() const {
@@ -151,29 +151,29 @@ void StreamCore::Write(const MessageLite* message, std::string bytes, StreamHand
   Arm(op, std::move(handler));
   if (ended_) {
     const Status& s = end_status_;
-    return Complete(op, s.ok() ? make_error_code(StatusCode::kFailedPrecondition) : make_error_code(s.code()), false, ex_);
+    return Complete(op, s.ok() ? make_error_code(StatusCode::kFailedPrecondition) : make_error_code(s.code()));
   }
-  if (!may_write_ || writes_done_) return Complete(op, make_error_code(StatusCode::kFailedPrecondition), false, ex_);
+  if (!may_write_ || writes_done_) return Complete(op, make_error_code(StatusCode::kFailedPrecondition));
   const size_t body = message != nullptr ? message->ByteSizeLong() : bytes.size();
   if (rpc::kFrameHeaderSize + body > LinkMaxMessageSize())
-    return Complete(op, make_error_code(StatusCode::kResourceExhausted), false, ex_);
+    return Complete(op, make_error_code(StatusCode::kResourceExhausted));
   if (out_.empty() && opened_ && send_credits_ > 0 && !waiting_for_space_) {
     bool failed = false;
     if (SendFrame(rpc::FrameType::kStreamMessage, 0, next_sequence_ + 1, std::as_bytes(std::span(bytes)), message, &failed)) {
       ++next_sequence_;
       --send_credits_;
       ++stats_.messages_sent;
-      return Complete(op, {}, false, ex_);
+      return Complete(op, {});
     }
     if (failed) {
       Abort(UnavailableError("the connection failed while sending a stream message"));
-      return Complete(op, make_error_code(StatusCode::kUnavailable), false, ex_);
+      return Complete(op, make_error_code(StatusCode::kUnavailable));
     }
   }
   // Wait for credits or send space: keep it serialised.
   ++stats_.write_waits;
   if (message != nullptr) message->SerializeToString(&bytes);
-  Out o{Out::Kind::kMessage, std::move(bytes), 0, {}};
+  Out o{Out::Kind::kMessage, std::move(bytes), {}, {}};
   o.handler.swap(op.handler);
   o.slot = op.slot;
   out_.push_back(std::move(o));
@@ -246,7 +246,7 @@ void StreamCore::PumpOut() {
     op.handler.swap(o.handler);
     op.slot = o.slot;
     out_.pop_front();
-    Complete(op, {}, false, ex_);
+    Complete(op, {});
     if (ended_) return;
   }
   if (out_.empty() && close_writes_then_) {
@@ -268,10 +268,10 @@ void StreamCore::NotifyWritable() {
 void StreamCore::WritesDone(StreamHandler handler) {
   PendingOp op;
   Arm(op, std::move(handler));
-  if (ended_) return Complete(op, end_status_.ok() ? boost::system::error_code() : make_error_code(end_status_.code()), false, ex_);
-  if (!may_write_ || writes_done_) return Complete(op, make_error_code(StatusCode::kFailedPrecondition), false, ex_);
+  if (ended_) return Complete(op, end_status_.ok() ? boost::system::error_code() : make_error_code(end_status_.code()));
+  if (!may_write_ || writes_done_) return Complete(op, make_error_code(StatusCode::kFailedPrecondition));
   writes_done_ = true;
-  Out o{Out::Kind::kHalfClose, {}, 0, {}};
+  Out o{Out::Kind::kHalfClose, {}, {}, {}};
   o.handler.swap(op.handler);
   o.slot = op.slot;
   out_.push_back(std::move(o));
@@ -279,7 +279,7 @@ void StreamCore::WritesDone(StreamHandler handler) {
 }
 
 void StreamCore::QueueRawFrame(std::string frame) {
-  out_.push_front(Out{Out::Kind::kRaw, std::move(frame), 0, {}});
+  out_.push_front(Out{Out::Kind::kRaw, std::move(frame), {}, {}});
   PumpOut();
 }
 
@@ -303,8 +303,8 @@ void StreamCore::CloseWrites(asio::any_completion_handler<void()> then) {
 void StreamCore::Read(MessageLite* out, StreamHandler handler) {
   PendingOp op;
   Arm(op, std::move(handler));
-  if (read_) return Complete(op, make_error_code(StatusCode::kFailedPrecondition), false, ex_);
-  if (!may_read_) return Complete(op, make_error_code(StatusCode::kFailedPrecondition), false, ex_);
+  if (read_) return Complete(op, make_error_code(StatusCode::kFailedPrecondition));
+  if (!may_read_) return Complete(op, make_error_code(StatusCode::kFailedPrecondition));
   if (!in_.empty()) {
     In in = std::move(in_.front());
     in_.pop_front();
@@ -312,16 +312,16 @@ void StreamCore::Read(MessageLite* out, StreamHandler handler) {
     in.bytes.clear();
     if (spare_.size() < 8) spare_.push_back(std::move(in.bytes));
     if (!ok) {
-      Complete(op, make_error_code(StatusCode::kInternal), false, ex_);
+      Complete(op, make_error_code(StatusCode::kInternal));
       return Cancel(InternalError(absl::StrCat("stream message does not parse as ", out->GetTypeName())));
     }
     last_sequence_ = in.sequence;
     ++consumed_;
-    Complete(op, {}, false, ex_);
+    Complete(op, {});
     return MaybeGrant();
   }
-  if (ended_) return Complete(op, EndCode(), false, ex_);
-  if (read_closed_) return Complete(op, asio::error::eof, false, ex_);
+  if (ended_) return Complete(op, EndCode());
+  if (read_closed_) return Complete(op, asio::error::eof);
   read_out_ = out;
   read_.handler.swap(op.handler);
   read_.slot = op.slot;
@@ -349,12 +349,12 @@ bool StreamCore::OnMessage(std::span<const std::byte> payload, uint64_t sequence
 void StreamCore::DeliverRead(std::span<const std::byte> payload, uint64_t sequence) {
   MessageLite* out = std::exchange(read_out_, nullptr);
   if (!out->ParseFromArray(payload.data(), static_cast<int>(payload.size()))) {
-    Complete(read_, make_error_code(StatusCode::kInternal), false, ex_);
+    Complete(read_, make_error_code(StatusCode::kInternal));
     return Cancel(InternalError(absl::StrCat("stream message does not parse as ", out->GetTypeName())));
   }
   last_sequence_ = sequence;
   ++consumed_;
-  Complete(read_, {}, false, ex_);
+  Complete(read_, {});
   MaybeGrant();
 }
 
@@ -376,7 +376,7 @@ bool StreamCore::OnHalfClose() {
   read_closed_ = true;
   if (read_ && in_.empty()) {
     read_out_ = nullptr;
-    Complete(read_, asio::error::eof, false, ex_);
+    Complete(read_, asio::error::eof);
   }
   return true;
 }
@@ -394,14 +394,14 @@ void StreamCore::OnTrailer(Status status, std::span<const std::byte> payload) {
 void StreamCore::Finish(MessageLite* response, StreamHandler handler) {
   PendingOp op;
   Arm(op, std::move(handler));
-  if (finish_) return Complete(op, make_error_code(StatusCode::kFailedPrecondition), false, ex_);
+  if (finish_) return Complete(op, make_error_code(StatusCode::kFailedPrecondition));
   finish_out_ = response;
   finish_.handler.swap(op.handler);
   finish_.slot = op.slot;
   if (ended_) return CompleteFinish();
   if (side_ == Side::kClient && may_write_ && !writes_done_) {  // finish implies half-close
     writes_done_ = true;
-    out_.push_back(Out{Out::Kind::kHalfClose, {}, 0, {}, {}});
+    out_.push_back(Out{Out::Kind::kHalfClose, {}, {}, {}});
     PumpOut();
   }
 }
@@ -414,7 +414,7 @@ void StreamCore::CompleteFinish() {
     end_status_ = InternalError(absl::StrCat("response does not parse as ", out->GetTypeName()));
     ec = make_error_code(StatusCode::kInternal);
   }
-  Complete(finish_, ec, false, ex_);
+  Complete(finish_, ec);
 }
 
 void StreamCore::Cancel(const Status& why) {
@@ -448,11 +448,11 @@ void StreamCore::End(const Status& why) {
     PendingOp op;
     op.handler.swap(o.handler);
     op.slot = o.slot;
-    Complete(op, write_ec, false, ex_);
+    Complete(op, write_ec);
   }
   if (read_ && in_.empty()) {
     read_out_ = nullptr;
-    Complete(read_, EndCode(), false, ex_);
+    Complete(read_, EndCode());
   }
   CompleteFinish();
   if (observer_ != nullptr) {

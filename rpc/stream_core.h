@@ -143,8 +143,7 @@ class StreamCore : public std::enable_shared_from_this<StreamCore> {
  private:
   struct Out {
     enum class Kind { kMessage, kHalfClose, kRaw } kind;
-    std::string bytes;
-    uint64_t sequence = 0;
+    std::string bytes;      // kMessage: the serialised message; kRaw: the whole frame
     StreamHandler handler;  // may be empty
     asio::cancellation_slot slot;
   };
@@ -166,7 +165,8 @@ class StreamCore : public std::enable_shared_from_this<StreamCore> {
   void MaybeGrant();
   void End(const Status& why);
   void Arm(PendingOp& op, StreamHandler handler);
-  static void Complete(PendingOp& op, boost::system::error_code ec, bool inline_ok, const asio::any_io_executor& ex);
+  // Posts the operation's handler (never inline) and clears its slot.
+  void Complete(PendingOp& op, boost::system::error_code ec);
   boost::system::error_code EndCode() const;
   void DeliverRead(std::span<const std::byte> payload, uint64_t sequence);
   void CompleteFinish();
