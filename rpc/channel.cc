@@ -39,6 +39,12 @@ Status CheckMetadata(const rpc::Metadata& md) {
   return Status();
 }
 
+// What a CANCEL frame says: the client's deadline, or any other reason (a
+// cancelled call, a closed channel) as CANCELLED.
+StatusCode CancelReason(StatusCode why) {
+  return why == StatusCode::kDeadlineExceeded ? StatusCode::kDeadlineExceeded : StatusCode::kCancelled;
+}
+
 bool OnThisThread(const asio::any_io_executor& ex) {
   if (const auto* io = ex.target<asio::io_context::executor_type>()) return io->running_in_this_thread();
   return false;
@@ -147,7 +153,8 @@ class Channel::Impl : public std::enable_shared_from_this<Impl> {
                   StreamOpenHandler handler);
   void StreamEnded(ClientStream* stream);
   void ReleaseConnCall(const std::shared_ptr<Conn>& conn);
-  void SendControl(const std::shared_ptr<Conn>& conn, rpc::FrameType type, uint64_t call_id);
+  void SendControl(const std::shared_ptr<Conn>& conn, rpc::FrameType type, uint64_t call_id,
+                   StatusCode status = StatusCode::kOk);
   void StartConnect();
   void OnConnected(absl::StatusOr<std::unique_ptr<Connection>> result);
   void Receive(std::shared_ptr<Conn> conn);
@@ -225,8 +232,8 @@ class Channel::Impl::ClientStream final : public internal::StreamCore {
   void LinkWaitForSendSpace() override { conn_->stream_waiters.push_back(weak_from_this()); }
   size_t LinkMaxMessageSize() const override { return conn_->c->max_message_size(); }
   uint64_t LinkStreamId() const override { return id_; }
-  void LinkCancelled() override {
-    if (!conn_->dead) impl_->SendControl(conn_, rpc::FrameType::kCancel, id_);
+  void LinkCancelled(StatusCode why) override {
+    if (!conn_->dead) impl_->SendControl(conn_, rpc::FrameType::kCancel, id_, CancelReason(why));
   }
   void LinkEnded() override { impl_->StreamEnded(this); }
 
@@ -426,7 +433,10 @@ void Channel::Impl::Finish(Call* call, Status status, ResponsePayload payload, b
   if (call->state == CallState::kSent) {
     sent_.erase(call->id);
     if (call->conn) {
-      if (tell_server && !call->conn->dead) SendControl(call->conn, rpc::FrameType::kCancel, call->id);
+      // The CANCEL says why, so the server counts a call the client's timer
+      // ended as DEADLINE_EXCEEDED even when it arrives before its own timer fires.
+      if (tell_server && !call->conn->dead)
+        SendControl(call->conn, rpc::FrameType::kCancel, call->id, CancelReason(status.code()));
       ReleaseConnCall(call->conn);
     }
   }
@@ -534,12 +544,14 @@ void Channel::Impl::PumpBlocked(const std::shared_ptr<Conn>& conn) {
   }
 }
 
-void Channel::Impl::SendControl(const std::shared_ptr<Conn>& conn, rpc::FrameType type, uint64_t call_id) {
+void Channel::Impl::SendControl(const std::shared_ptr<Conn>& conn, rpc::FrameType type, uint64_t call_id,
+                                StatusCode status) {
   auto buffer = conn->c->Prepare(rpc::kFrameHeaderSize);
   if (!buffer.ok()) return;  // the connection is failing; its receive loop reports it
   rpc::FrameHeader h;
   h.type = type;
   h.call_id = call_id;
+  h.status = status;
   rpc::EncodeFrameHead(h, {}, buffer->data());
   conn->c->Send(std::move(*buffer), transport::WithHandlerMemory([](absl::Status) {}));
 }

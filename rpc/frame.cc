@@ -96,8 +96,12 @@ absl::Status DecodeFrame(std::span<const std::byte> bytes, DecodedFrame& out) {
     return Bad(absl::StrCat("window grant of ", h.method_id, " messages (1..", kMaxWindowGrant, ")"));
   if ((h.type == FrameType::kWindow || h.type == FrameType::kHalfClose) && (h.payload_length | h.metadata_length) != 0)
     return Bad("window/half-close frame with a body");
-  if (h.type != FrameType::kResponse && h.status != StatusCode::kOk)
-    return Bad("status set on a frame that is not a response");
+  // A CANCEL may say why: CANCELLED or DEADLINE_EXCEEDED (the client's timer).
+  if (h.type == FrameType::kCancel && h.status != StatusCode::kOk && h.status != StatusCode::kCancelled &&
+      h.status != StatusCode::kDeadlineExceeded)
+    return Bad(absl::StrCat("cancel reason ", internal::Sv(StatusCodeName(h.status)), " (CANCELLED or DEADLINE_EXCEEDED)"));
+  if (h.type != FrameType::kResponse && h.type != FrameType::kCancel && h.status != StatusCode::kOk)
+    return Bad("status set on a frame that is not a response or cancel");
   // Metadata: whole entries, exactly filling the block.
   out.metadata = bytes.subspan(kFrameHeaderSize, h.metadata_length);
   size_t off = 0, entries = 0;

@@ -50,7 +50,7 @@ inline constexpr size_t kMaxMetadataEntries = 64;
 enum class FrameType : uint8_t {
   kRequest = 1,
   kResponse = 2,
-  kCancel = 3,   // client -> server: abandon call id
+  kCancel = 3,   // client -> server: abandon call id; status = why (CANCELLED or DEADLINE_EXCEEDED)
   kGoaway = 4,   // server -> client: no new calls on this connection
   kPing = 5,
   kPong = 6,

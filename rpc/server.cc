@@ -208,7 +208,7 @@ class Server::Impl::ServerStream final : public internal::StreamCore {
   uint64_t LinkStreamId() const override { return id_; }
   // The handler cancelled its own stream operation: it returns an error,
   // which answers the client.
-  void LinkCancelled() override {}
+  void LinkCancelled(StatusCode) override {}
   void LinkEnded() override {
     if (auto it = conn_->streams.find(id_); it != conn_->streams.end() && it->second.get() == this)
       conn_->streams.erase(it);  // may drop the last reference but one (the caller's)
@@ -401,14 +401,18 @@ void Server::Impl::OnReceive(const std::shared_ptr<Conn>& conn, absl::StatusOr<M
     case rpc::FrameType::kRequest:
       OnRequest(conn, std::move(*message), f);
       break;
-    case rpc::FrameType::kCancel:
+    case rpc::FrameType::kCancel: {
+      // The client's timer may beat ours by the transit time: its reason counts.
+      const bool deadline = f.header.status == StatusCode::kDeadlineExceeded;
       if (auto it = conn->calls.find(f.header.call_id); it != conn->calls.end())
-        CancelCall(it->second, StatusCode::kCancelled, nullptr);
+        CancelCall(it->second, deadline ? StatusCode::kDeadlineExceeded : StatusCode::kCancelled, nullptr);
       if (auto it = conn->streams.find(f.header.call_id); it != conn->streams.end()) {
         std::shared_ptr<ServerStream> st = it->second;
-        st->Abort(CancelledError("stream cancelled by the client"));
+        st->Abort(deadline ? DeadlineExceededError("stream deadline exceeded (client timer)")
+                           : CancelledError("stream cancelled by the client"));
       }
       break;
+    }
     case rpc::FrameType::kStreamMessage:
     case rpc::FrameType::kHalfClose:
     case rpc::FrameType::kWindow:

@@ -419,7 +419,7 @@ void StreamCore::CompleteFinish() {
 
 void StreamCore::Cancel(const Status& why) {
   if (ended_) return;
-  LinkCancelled();
+  LinkCancelled(why.code());
   End(why);
 }
 

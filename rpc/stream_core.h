@@ -129,8 +129,9 @@ class StreamCore : public std::enable_shared_from_this<StreamCore> {
   virtual size_t LinkMaxMessageSize() const = 0;
   virtual uint64_t LinkStreamId() const = 0;
   // The application cancelled (client: send CANCEL, unregister; server: the
-  // handler is told through its ServerContext by the caller).
-  virtual void LinkCancelled() = 0;
+  // handler is told through its ServerContext by the caller). `why` is the
+  // cancelling status's code (DEADLINE_EXCEEDED for the client's timer).
+  virtual void LinkCancelled(StatusCode why) = 0;
   // The stream ended for good (after Abort, Cancel, or the trailer): unregister.
   virtual void LinkEnded() = 0;
   // Client: the REQUEST (a whole encoded frame) that found no send space; it

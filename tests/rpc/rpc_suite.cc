@@ -345,12 +345,51 @@ TEST_P(RpcSuite, DeadlineExceededEndsTheCallOnTimeAndCancelsTheHandler) {
   ASSERT_TRUE(ctx.deadline().has_value());
   EXPECT_GE(finished, *ctx.deadline()) << "the call ended before its deadline";
   EXPECT_LT(took, milliseconds(300) + std::chrono::seconds(5)) << "deadline fired late";
-  // The server stopped the handler too (its own timer, or the client's CANCEL).
+  // The server stopped the handler too, as a deadline whichever came first:
+  // its own timer or the client's CANCEL (which says DEADLINE_EXCEEDED).
   for (int i = 0; i < 500 && env.service.sleeps_cancelled == 0; ++i) std::this_thread::sleep_for(milliseconds(10));
   EXPECT_EQ(env.service.sleeps_cancelled, 1);
   EXPECT_EQ(env.service.sleeps_finished, 0);
-  StatusCode reason = env.service.cancel_reason;
-  EXPECT_TRUE(reason == StatusCode::kDeadlineExceeded || reason == StatusCode::kCancelled) << StatusCodeName(reason);
+  EXPECT_EQ(env.service.cancel_reason.load(), StatusCode::kDeadlineExceeded)
+      << StatusCodeName(env.service.cancel_reason.load());
+}
+
+// A CANCEL carries the client's reason: one that says DEADLINE_EXCEEDED (the
+// client's timer beat the server's by the transit time) ends the handler as a
+// deadline, not a cancellation, however far the server's own deadline is.
+TEST_P(RpcSuite, CancelFrameSaysWhetherTheClientsDeadlinePassed) {
+  Env env(GetParam());
+  auto uri = env.StartServer();
+  auto raw = RawConnect(env, uri, GetParam().options());
+  ASSERT_NE(raw, nullptr);
+  SleepRequest req;
+  req.set_ms(60'000);
+  for (uint64_t id : {1, 2}) {
+    rpc::FrameHeader h;
+    h.type = rpc::FrameType::kRequest;
+    h.method_id = TestSvc::kSleepId;
+    h.call_id = id;
+    h.timeout_us = 60'000'000;
+    ASSERT_TRUE(RawSend(env, raw.get(), RawFrame(h, req.SerializeAsString())).ok());
+    for (int i = 0; i < 3000 && env.service.sleeps_started < static_cast<int>(id); ++i)
+      std::this_thread::sleep_for(milliseconds(5));
+    ASSERT_EQ(env.service.sleeps_started, static_cast<int>(id));
+    rpc::FrameHeader cancel;
+    cancel.type = rpc::FrameType::kCancel;
+    cancel.call_id = id;
+    cancel.status = id == 1 ? StatusCode::kDeadlineExceeded : StatusCode::kCancelled;
+    ASSERT_TRUE(RawSend(env, raw.get(), RawFrame(cancel, "")).ok());
+    for (int i = 0; i < 1000 && env.service.sleeps_cancelled < static_cast<int>(id); ++i)
+      std::this_thread::sleep_for(milliseconds(5));
+    ASSERT_EQ(env.service.sleeps_cancelled, static_cast<int>(id));
+    EXPECT_EQ(env.service.cancel_reason.load(), id == 1 ? StatusCode::kDeadlineExceeded : StatusCode::kCancelled);
+  }
+  EXPECT_EQ(env.OnIo([&] { return env.server().stats().connections_open; }), 1u) << "a valid CANCEL closed the connection";
+  env.OnIo([&] {
+    raw->Close();
+    raw.reset();
+    return 0;
+  });
 }
 
 TEST_P(RpcSuite, ClientTimerFiresEvenWhenThePeerNeverAnswers) {

@@ -117,7 +117,7 @@ TEST(Frame, RejectsMalformedInputNamingTheField) {
       {"type 99", [](auto& b) { b[3] = std::byte{99}; }, "unknown frame type 99"},
       {"flags", [](auto& b) { b[4] = std::byte{1}; }, "flags"},
       {"status range", [](auto& b) { b[5] = std::byte{17}; }, "status code 17"},
-      {"status on request", [](auto& b) { b[5] = std::byte{3}; }, "not a response"},
+      {"status on request", [](auto& b) { b[5] = std::byte{3}; }, "not a response or cancel"},
       {"payload too long", [](auto& b) { b[12] = std::byte{0xff}; b[13] = std::byte{0xff}; b[14] = std::byte{0xff}; b[15] = std::byte{0xff}; }, "header says"},
       {"payload too short", [](auto& b) { b.push_back(std::byte{0}); }, "message has"},
       {"metadata past end", [](auto& b) { b[6] = std::byte{0xff}; b[7] = std::byte{0xff}; }, "header says"},
@@ -133,6 +133,21 @@ TEST(Frame, RejectsMalformedInputNamingTheField) {
     EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << c.what;
     EXPECT_THAT(std::string(st.message()), HasSubstr(c.expect)) << c.what;
   }
+}
+
+// A CANCEL may carry why the client gave up, and nothing else.
+TEST(Frame, CancelCarriesOnlyCancelledOrDeadlineExceeded) {
+  FrameHeader cancel;
+  cancel.type = FrameType::kCancel;
+  cancel.call_id = 5;
+  DecodedFrame f;
+  for (StatusCode ok : {StatusCode::kOk, StatusCode::kCancelled, StatusCode::kDeadlineExceeded}) {
+    cancel.status = ok;
+    ASSERT_TRUE(DecodeFrame(Frame(cancel, {}, ""), f).ok()) << StatusCodeName(ok);
+    EXPECT_EQ(f.header.status, ok);
+  }
+  cancel.status = StatusCode::kInternal;
+  EXPECT_THAT(std::string(DecodeFrame(Frame(cancel, {}, ""), f).message()), HasSubstr("cancel reason INTERNAL"));
 }
 
 TEST(Frame, RejectsMoreThanTheMetadataEntryLimit) {
