@@ -6,6 +6,22 @@ res_counts() { local t; for t in qp cq mr pd; do printf '%s=%s ' "$t" "$(rdma re
 
 now_ms() { date +%s%3N; }
 
+# res_settle EXPECTED SECONDS: polls res_counts until it equals EXPECTED or
+# SECONDS pass (teardown finishes on the process's own threads, a moment after
+# the disconnect is logged). Sets $now to the last counts and $settle_ms to
+# the wait; returns 1 if they never matched.
+res_settle() {
+  local t0 i
+  t0=$(now_ms)
+  for ((i = 0; i < $2 * 5; i++)); do
+    now=$(res_counts)
+    settle_ms=$(($(now_ms) - t0))
+    [ "$now" = "$1" ] && return 0
+    sleep 0.2
+  done
+  return 1
+}
+
 # wait_for FILE SECONDS: a flag file in $RXE_VM_CTL, or fail.
 wait_for() {
   local i

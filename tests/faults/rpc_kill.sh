@@ -83,9 +83,8 @@ if [ "$side" = b ]; then
   t1=$(now_ms)
   echo "rpc-kill: client-killed: server closed the killed client's connection $((t1 - t0)) ms after the kill (bound $bound_ms ms): $line"
   [ $((t1 - t0)) -le $bound_ms ] || fail "killed client found after $((t1 - t0)) ms, bound $bound_ms ms"
-  sleep 1
-  now=$(res_counts)
-  echo "rpc-kill: client-killed: rdma resources: listening $listening, after the kill $now"
+  res_settle "$listening" 10 || true
+  echo "rpc-kill: client-killed: rdma resources: listening $listening, after the kill $now (settled in $settle_ms ms)"
   [ "$now" = "$listening" ] || fail "rdma resources not back at the listening baseline ($listening -> $now)"
   stop_server "$pid"
   touch "$ctl/done"
@@ -118,9 +117,8 @@ echo "rpc-kill: server-killed: first call failed $((first - t0)) ms after the ki
 [ $((first - t0)) -le $bound_ms ] || fail "killed server found after $((first - t0)) ms, bound $bound_ms ms"
 [ "${streak:-0}" -ge 20 ] || fail "only ${streak:-0} calls succeeded after the restart (want >= 20): no reconnect?"
 grep -m1 'event=disconnected' "$drive_out" | sed 's/^/rpc-kill: server-killed: /' || true
-sleep 1
-now=$(res_counts)
-echo "rpc-kill: server-killed: rdma resources before $baseline, after $now"
+res_settle "$baseline" 10 || true
+echo "rpc-kill: server-killed: rdma resources before $baseline, after $now (settled in $settle_ms ms)"
 [ "$now" = "$baseline" ] || fail "rdma resources not back at baseline ($baseline -> $now)"
 touch "$ctl/done"
 echo "rpc-kill: server-killed: PASS"

@@ -86,8 +86,7 @@ if [ "$scenario" = link-long ]; then
     fail "statuses other than OK and UNAVAILABLE: $statuses"
   fi
 fi
-sleep 1
-now=$(res_counts)
+res_settle "$baseline" 10 || true
 echo "rpc-link: $scenario: rdma resources before $baseline, after $now"
 [ "$now" = "$baseline" ] || fail "rdma resources not back at baseline ($baseline -> $now)"
 touch "$ctl/done"

@@ -4,7 +4,7 @@
 # CALLS echo calls (64 B and 4 KiB eager, 64 KiB and 256 KiB rendezvous, 8 in flight, 30 s
 # deadline) and must see: every call OK and completed exactly once, none later than its
 # deadline + 2 s, payloads intact, no handler run twice on the server (fault_rpc judges),
-# and afterwards a's QP/CQ/MR/PD counts (`rdma res`) back at their baseline.
+# and afterwards a's QP/CQ/MR/PD counts (`rdma res`) back at their baseline (within 10 s).
 # The 10% round leaves out 256 KiB unless FULL is given: nearly every one of its ~256 frames
 # meets a loss, and with it the round took 627 s on TCG (1,000 calls, all OK) instead of minutes.
 #
@@ -36,6 +36,12 @@ fi
 side=${2:?} fault_rpc=${3:?} calls=${4:?} full=${5:-}
 ctl=$RXE_VM_CTL nic=$RXE_VM_NETDEV
 port=7480
+# Keepalive: PING after 10 s of silence, dead after 30 s more. Under 10% loss on TCG, RC's own
+# recovery stalls a connection for up to ~10 s (max latency 9.4 s in a 1,000-call round), which
+# the library's default (10 s + 10 s) can take for a dead peer; a peer declared dead under loss
+# then meets rxe's CM trouble on reconnect (docs/faults.md). The rounds judge RC under loss, so
+# keepalive must stay out of the way; dead peers are faults_rpc_poweroff's job.
+keepalive=10000,30000
 fail() {
   echo "rpc-netem: FAIL: $*"
   if [ "$side" = b ] && [ -f "$ctl/b-server.log" ]; then
@@ -49,7 +55,7 @@ fail() {
 . "$(dirname "$0")/common.sh"
 
 if [ "$side" = b ]; then
-  "$fault_rpc" serve --listen="rdma://$RXE_VM_SELF_IP:$port" >"$ctl/b-server.log" 2>&1 &
+  "$fault_rpc" serve --listen="rdma://$RXE_VM_SELF_IP:$port" --keepalive-ms="$keepalive" >"$ctl/b-server.log" 2>&1 &
   pid=$!
   wait_listening "$port" "$pid" "$ctl/b-server.log"
   touch "$ctl/rpc-netem-ready"
@@ -72,14 +78,13 @@ round() {  # round LABEL SIZES NETEM-ARGS...
   if [ $# -gt 0 ]; then tc qdisc add dev "$nic" root netem "$@" || fail "tc netem $* failed"; fi
   local rc=0
   "$fault_rpc" drive --target="$target" --calls="$calls" --concurrency=8 --deadline-ms=30000 --bound-ms=2000 \
-               --sizes="$sizes" --label="$label" --expect=ok || rc=$?
+               --sizes="$sizes" --label="$label" --expect=ok --keepalive-ms="$keepalive" || rc=$?
   if [ $# -gt 0 ]; then
     tc -s qdisc show dev "$nic" | sed -n 's/.*\(Sent .*dropped [0-9]*\).*/rpc-netem: '"$label"' netem: \1/p' | head -n1
     tc qdisc del dev "$nic" root || true
   fi
-  sleep 1   # the channel's connection is closed; its resources go
-  local now; now=$(res_counts)
-  echo "rpc-netem: $label: rdma resources after: $now"
+  res_settle "$baseline" 10 || true  # the channel's connection is closed; its resources go
+  echo "rpc-netem: $label: rdma resources after: $now (settled in $settle_ms ms)"
   [ "$now" = "$baseline" ] || fail "$label: rdma resources not back at baseline ($baseline -> $now)"
   [ $rc = 0 ] || fail "$label: fault_rpc judged the round failed"
 }

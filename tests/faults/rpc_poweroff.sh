@@ -72,9 +72,8 @@ if [ "$side" = b ]; then
     t1=$(now_ms)
     echo "rpc-poweroff: client-dies: server closed the dead client's connection $((t1 - t0)) ms after the power-off request (bound $bound_ms ms): $line"
     [ $((t1 - t0)) -le $bound_ms ] || fail "dead client found after $((t1 - t0)) ms, bound $bound_ms ms"
-    sleep 1
-    now=$(res_counts)
-    echo "rpc-poweroff: client-dies: rdma resources: listening $listening, after the client's death $now"
+    res_settle "$listening" 10 || true
+    echo "rpc-poweroff: client-dies: rdma resources: listening $listening, after the client's death $now (settled in $settle_ms ms)"
     [ "$now" = "$listening" ] || fail "rdma resources not back at the listening baseline ($listening -> $now)"
     stop_server "$pid"
     echo "rpc-poweroff: client-dies: PASS"
@@ -115,8 +114,7 @@ first=$(sed -n 's/.*first_failure_unix_ms=\([0-9]*\).*/\1/p' <<<"$line")
 echo "rpc-poweroff: server-dies: first call failed $((first - t0)) ms after the power-off request (bound $bound_ms ms)"
 [ $((first - t0)) -le $bound_ms ] || fail "dead server found after $((first - t0)) ms, bound $bound_ms ms"
 grep -m1 'event=disconnected' "$out" | sed 's/^/rpc-poweroff: server-dies: /' || true
-sleep 1
-now=$(res_counts)
-echo "rpc-poweroff: server-dies: rdma resources before $baseline, after $now"
+res_settle "$baseline" 10 || true
+echo "rpc-poweroff: server-dies: rdma resources before $baseline, after $now (settled in $settle_ms ms)"
 [ "$now" = "$baseline" ] || fail "rdma resources not back at baseline ($baseline -> $now)"
 echo "rpc-poweroff: server-dies: PASS"
