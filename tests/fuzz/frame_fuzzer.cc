@@ -52,6 +52,9 @@ std::vector<Seed> Seeds() {
   FrameHeader err{.type = FrameType::kResponse, .status = StatusCode::kDeadlineExceeded, .call_id = 9};
   seeds.push_back({"response-error", Encode(err, {}, "deadline of 5 ms passed")});
   seeds.push_back({"cancel", Encode(FrameHeader{.type = FrameType::kCancel, .call_id = 7}, {}, "")});
+  seeds.push_back({"cancel_deadline", Encode(FrameHeader{.type = FrameType::kCancel,
+                                                         .status = StatusCode::kDeadlineExceeded, .call_id = 7},
+                                             {}, "")});
   seeds.push_back({"goaway", Encode(FrameHeader{.type = FrameType::kGoaway}, {}, "")});
   seeds.push_back({"ping", Encode(FrameHeader{.type = FrameType::kPing}, {}, "")});
   seeds.push_back({"pong", Encode(FrameHeader{.type = FrameType::kPong}, {}, "")});
@@ -107,7 +110,12 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   FUZZ_CHECK(type >= static_cast<uint8_t>(rpc::FrameType::kRequest) && type <= rpc::kMaxFrameType,
              "type ", type);
   FUZZ_CHECK(static_cast<uint8_t>(h.status) <= kMaxStatusCode, "status ", static_cast<int>(h.status));
-  FUZZ_CHECK(h.type == rpc::FrameType::kResponse || h.status == StatusCode::kOk, "status on a non-response");
+  if (h.type == rpc::FrameType::kCancel)
+    FUZZ_CHECK(h.status == StatusCode::kOk || h.status == StatusCode::kCancelled ||
+                   h.status == StatusCode::kDeadlineExceeded,
+               "cancel reason ", static_cast<int>(h.status), " accepted");
+  else
+    FUZZ_CHECK(h.type == rpc::FrameType::kResponse || h.status == StatusCode::kOk, "status on a non-response");
   if (h.type != rpc::FrameType::kGoaway && h.type != rpc::FrameType::kPing && h.type != rpc::FrameType::kPong)
     FUZZ_CHECK(h.call_id != 0, "call id 0 accepted");
   if (h.type == rpc::FrameType::kWindow)

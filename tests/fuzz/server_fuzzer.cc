@@ -139,6 +139,9 @@ std::vector<Seed> Seeds() {
   seeds.push_back({"metadata-with-timeout",
                    Input({Request(TestSvc::kMetadataId, 2, empty, 5'000'000, {{"authorization", "t"}, {"x-trace", "42"}})})});
   seeds.push_back({"sleep-then-cancel", Input({Request(TestSvc::kSleepId, 3, long_nap), cancel3})});
+  seeds.push_back({"sleep-then-cancel-deadline",
+                   Input({Request(TestSvc::kSleepId, 3, long_nap),
+                          Frame({.type = rpc::FrameType::kCancel, .status = StatusCode::kDeadlineExceeded, .call_id = 3}, "")})});
   seeds.push_back({"sleep-past-deadline", Input({Request(TestSvc::kSleepId, 4, long_nap, 1'000)})});
   seeds.push_back({"sleep-short", Input({Request(TestSvc::kSleepId, 4, nap)})});
   std::vector<std::string> crowd;

@@ -42,7 +42,7 @@ using asio::ip::tcp;
 // prefix reach it.)
 constexpr size_t kMaxMessage = 100'000;
 constexpr size_t kMaxQueued = 3;
-constexpr size_t kMaxInput = 1 << 20;  // a blocking write of more could fill the socket buffers
+constexpr size_t kMaxInput = 1 << 20;  // a write of more could fill the socket buffers
 
 transport::tcp::TcpOptions Options() {
   transport::tcp::TcpOptions o;
@@ -123,6 +123,24 @@ void ReceiveLoop(transport::Connection* c, std::shared_ptr<Received> r) {
   });
 }
 
+// Runs an async read or write of a whole buffer on the io_context until it
+// completes: the error, or success.
+template <typename Start>
+boost::system::error_code Transfer(boost::asio::io_context& io, const char* what, Start start) {
+  std::optional<boost::system::error_code> result;
+  start([&](boost::system::error_code e, size_t) { result = e; });
+  FUZZ_CHECK(RunUntil(io, [&] { return result.has_value(); }), what, " did not complete");
+  return *result;
+}
+
+boost::system::error_code WriteAll(boost::asio::io_context& io, tcp::socket& socket, boost::asio::const_buffer b) {
+  return Transfer(io, "write", [&](auto done) { boost::asio::async_write(socket, b, done); });
+}
+
+boost::system::error_code ReadAll(boost::asio::io_context& io, tcp::socket& socket, boost::asio::mutable_buffer b) {
+  return Transfer(io, "read", [&](auto done) { boost::asio::async_read(socket, b, done); });
+}
+
 std::string Printable(const std::string& s) {
   return absl::StrCat(s.size(), " bytes");
 }
@@ -160,25 +178,30 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     conn = std::move(*c);
     accepted = true;
   });
+  // The writer's operations are asynchronous, run to completion here: a
+  // blocking connect/read/write fails with EINTR when libFuzzer's SIGALRM
+  // arrives mid-call (a false finding, seen in CI); the io_context retries.
   tcp::socket writer(io);
   boost::system::error_code ec;
-  writer.connect(world->endpoint, ec);
-  FUZZ_CHECK(!ec, "connect: ", ec.message());
+  std::optional<boost::system::error_code> connected;
+  writer.async_connect(world->endpoint, [&](boost::system::error_code e) { connected = e; });
+  FUZZ_CHECK(RunUntil(io, [&] { return connected.has_value(); }), "connect did not complete");
+  FUZZ_CHECK(!*connected, "connect: ", connected->message());
   // The handshake (tcp_transport.h) first; the fuzzed bytes are the frames after it.
   auto hello = transport::tcp::EncodeClientHello("", 0xFFFFFFFFu);
   FUZZ_CHECK(hello.ok(), hello.status().ToString());
-  boost::asio::write(writer, boost::asio::buffer(*hello), ec);
+  ec = WriteAll(io, writer, boost::asio::buffer(*hello));
   FUZZ_CHECK(!ec, "hello: ", ec.message());
   FUZZ_CHECK(RunUntil(io, [&] { return accepted; }), "no connection accepted");
   std::array<std::byte, transport::tcp::kServerVerdictBytes> verdict;
-  boost::asio::read(writer, boost::asio::buffer(verdict), ec);
+  ec = ReadAll(io, writer, boost::asio::buffer(verdict));
   FUZZ_CHECK(!ec, "verdict: ", ec.message());
 
   auto received = std::make_shared<Received>();
   if (eager) ReceiveLoop(conn.get(), received);
   for (size_t pos = 0; pos < stream.size();) {
     const size_t n = chunk == 0 ? stream.size() - pos : std::min(chunk, stream.size() - pos);
-    boost::asio::write(writer, boost::asio::buffer(stream.data() + pos, n), ec);
+    ec = WriteAll(io, writer, boost::asio::buffer(stream.data() + pos, n));
     if (ec) break;  // the connection gave up on an oversized frame and reset
     pos += n;
     io.poll();
