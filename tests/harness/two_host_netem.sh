@@ -69,7 +69,12 @@ if [ "$side" = b ]; then
     done
     rdma res show cm_id | grep -q "LISTEN.*:$port" || fail "server for the $round run never listened"
     touch "$ctl/ready-$round"
-    wait "$pid" || fail "server side of the $round transfer failed"
+    # a's client validates every iteration and judges. rping's server can end non-zero after
+    # a complete run when the client's DISCONNECT overtakes its last READ_ADV ("wait for
+    # RDMA_READ_ADV state 10"; seen under loss): reported, not a failure. b's counters are
+    # written either way, so a never waits for a peer that gave up.
+    rc=0; wait "$pid" || rc=$?
+    [ "$rc" = 0 ] || echo "netem-test: note: rping server of the $round run exited $rc"
     counters >"$ctl/b-$round"
   done
   exit 0
