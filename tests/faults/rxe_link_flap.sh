@@ -1,0 +1,87 @@
+#!/usr/bin/env bash
+# rxe_link_flap.sh: what a link flap does to rdma_cm on Soft-RoCE, without rdmarpc.
+# Manual (not in CI): it documents a kernel behaviour that decides what faults_rpc_link can
+# assert (docs/faults.md, "Link down").
+#
+# Two VMs (tools/rxe-vm --hosts 2), rping servers on both. Round `quiet`: a's link goes down for
+# 8 s with no RDMA traffic. Round `busy`: the same while an rping connection runs from a to b
+# (its QP dies during the outage and rdma_cm sends a DREQ with the link down). After link up,
+# a and b each try fresh rping connections (8 s each, every 10 s for 60 s), then a deletes and
+# flush their neighbour tables and try again, then a deletes and re-adds its rxe link and
+# tries once more.
+#
+#   rxe_link_flap.sh path/to/tools/rxe-vm [quiet|busy]...     (host side)
+#   rxe_link_flap.sh --side ROUND a|b                         (inside the VMs)
+set -uo pipefail
+
+if [ "${1:-}" != --side ]; then
+  rxe_vm=${1:?usage: rxe_link_flap.sh path/to/tools/rxe-vm [quiet|busy]...}
+  shift
+  self=$(cd "$(dirname "$0")" && pwd)/$(basename "$0")
+  for round in "${@:-quiet busy}"; do
+    for r in $round; do
+      "$rxe_vm" --hosts 2 --timeout 300 --a "bash $(printf %q "$self") --side $r a" \
+        --b "bash $(printf %q "$self") --side $r b" 2>&1 | grep -E '^\[[ab]\] rxe-link-flap'
+    done
+  done
+  exit 0
+fi
+
+round=${2:?} side=${3:?}
+ctl=$RXE_VM_CTL nic=$RXE_VM_NETDEV port=7484
+say() { echo "rxe-link-flap: $round: $side: $*"; }
+wait_flag() { local i; for ((i = 0; i < $2 * 2; i++)); do [ -e "$ctl/$1" ] && return 0; sleep 0.5; done; return 1; }
+try_rping() {  # try_rping LABEL: one fresh rping connection to the peer, 8 s at most
+  timeout -s KILL 8 rping -c -a "$RXE_VM_PEER_IP" -p $port -C 2 >/dev/null 2>&1
+  local rc=$?
+  if [ $rc = 0 ]; then say "$1: rping to the peer connected"; else say "$1: rping to the peer failed (rc $rc)"; fi
+  return $rc
+}
+
+rping -s -P -a "$RXE_VM_SELF_IP" -p $port >/dev/null 2>&1 &
+server=$!
+touch "$ctl/ready-$side"
+if [ "$side" = b ]; then
+  wait_flag up 200 || { say "a never brought its link back"; exit 1; }
+  t_up=$(date +%s)
+  for k in 1 2 3 4 5 6; do
+    try_rping "+$(($(date +%s) - t_up)) s after link up" && break
+    sleep 2
+  done
+  say "neighbour table: $(ip neigh show dev "$nic" | tr '\n' ';')"
+  touch "$ctl/b-done"
+  wait_flag a-flushed 120
+  ip neigh flush dev "$nic"
+  try_rping "after flushing both neighbour tables"
+  touch "$ctl/b-flushed"
+  wait_flag done 200
+  exit 0
+fi
+
+wait_flag ready-b 100 || { say "b never started"; exit 1; }
+sleep 1
+try_rping "before the flap" || exit 1
+if [ "$round" = busy ]; then
+  rping -c -a "$RXE_VM_PEER_IP" -p $port -C 100000000 >/dev/null 2>&1 &
+  sleep 3
+fi
+ip link set dev "$nic" down
+sleep 8
+ip link set dev "$nic" up
+touch "$ctl/up"
+t_up=$(date +%s)
+for k in 1 2 3 4 5 6; do
+  try_rping "+$(($(date +%s) - t_up)) s after link up" && break
+  sleep 2
+done
+wait_flag b-done 120
+say "neighbour table: $(ip neigh show dev "$nic" | tr '\n' ';')"
+ip neigh flush dev "$nic"
+touch "$ctl/a-flushed"
+try_rping "after flushing both neighbour tables"
+wait_flag b-flushed 60
+say "GSI QP: $(rdma res show qp | grep GSI | sed 's/.*\(state [A-Z]*\) \(sq-psn [0-9]*\).*/\1 \2/')"
+kill -9 $server $(jobs -p) 2>/dev/null; sleep 1
+rdma link delete rxe0 && rdma link add rxe0 type rxe netdev "$nic" && sleep 3
+try_rping "after deleting and re-adding rxe0"
+touch "$ctl/done"
