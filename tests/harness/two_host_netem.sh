@@ -73,6 +73,19 @@ if [ "$side" = b ]; then
     # a complete run when the client's DISCONNECT overtakes its last READ_ADV ("wait for
     # RDMA_READ_ADV state 10"; seen under loss): reported, not a failure. b's counters are
     # written either way, so a never waits for a peer that gave up.
+    # It can also never end: after "wait for RDMA_READ_ADV state 10" the server may block for
+    # good (seen under loss in CI). Once a's client has finished the round, the server gets 20 s
+    # to end by itself, then it is stopped; b reports that and goes on.
+    until_ts=
+    while kill -0 "$pid" 2>/dev/null; do
+      if [ -z "$until_ts" ] && [ -e "$ctl/a-done-$round" ]; then until_ts=$((SECONDS + 20)); fi
+      if [ -n "$until_ts" ] && [ "$SECONDS" -ge "$until_ts" ]; then
+        echo "netem-test: note: rping server of the $round run still running 20 s after a's client finished; stopping it"
+        kill "$pid" 2>/dev/null || true
+        break
+      fi
+      sleep 0.2
+    done
     rc=0; wait "$pid" || rc=$?
     [ "$rc" = 0 ] || echo "netem-test: note: rping server of the $round run exited $rc"
     counters >"$ctl/b-$round"
@@ -86,6 +99,7 @@ transfer() {  # transfer ROUND
   wait_for "ready-$round" 300
   rc=0; timeout 900 rping -c -a "$RXE_VM_PEER_IP" -p "$(port_of "$round")" "${ping_args[@]}" || rc=$?
   [ "$rc" = 0 ] || fail "$round transfer failed (rping exit $rc)"
+  touch "$ctl/a-done-$round"
   echo "netem-test: $round transfer: 10 validated rping iterations of 16 KiB in $((SECONDS - start)) s"
 }
 
