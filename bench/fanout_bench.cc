@@ -4,6 +4,7 @@
 //   fanout_bench [--transport rdma,tcp] [--ip LOCAL_IP] [--device NAME]
 //                [--subscribers 1,4,16] [--rate 10000] [--seconds 2]
 //                [--ticks 50000] [--tick-bytes 64] [--poll event|adaptive|busy]
+//                [--shared-pollers N]   (busy/adaptive: N poller threads for all connections)
 //
 // Two runs per row:
 //  - latency: ticks at a steady --rate (1 ms batches) for --seconds, policy
@@ -33,7 +34,7 @@ namespace {
 const char kUsage[] =
     "usage: fanout_bench [--transport rdma,tcp] [--ip LOCAL_IP] [--device NAME] [--subscribers 1,4,16]\n"
           "         [--rate 10000] [--seconds 2] [--ticks 50000] [--tick-bytes 64] [--poll event|adaptive|busy]\n"
-    "         [--stall yes|no]\n";
+    "         [--shared-pollers N] [--stall yes|no]\n";
 
 struct Row {
   std::string transport;
@@ -48,12 +49,13 @@ struct Row {
 
 int main(int argc, char** argv) {
   rdmarpc::examples::Flags flags;
-  if (!flags.Parse(argc, argv, {"transport", "ip", "device", "subscribers", "rate", "seconds", "ticks", "tick-bytes", "poll", "stall"},
+  if (!flags.Parse(argc, argv, {"transport", "ip", "device", "subscribers", "rate", "seconds", "ticks", "tick-bytes", "poll", "shared-pollers", "stall"},
                    kUsage))
     return flags.help() ? 0 : 2;
-  unsigned long long rate, seconds, ticks, tick_bytes;
+  unsigned long long rate, seconds, ticks, tick_bytes, shared_pollers;
   if (!flags.GetUint("rate", 10'000, &rate) || !flags.GetUint("seconds", 2, &seconds) ||
-      !flags.GetUint("ticks", 50'000, &ticks) || !flags.GetUint("tick-bytes", 64, &tick_bytes))
+      !flags.GetUint("ticks", 50'000, &ticks) || !flags.GetUint("tick-bytes", 64, &tick_bytes) ||
+      !flags.GetUint("shared-pollers", 0, &shared_pollers))
     return 2;
   const char* env_ip = std::getenv("RXE_VM_SELF_IP");
   const char* env_dev = std::getenv("RXE_VM_DEV");
@@ -81,9 +83,15 @@ int main(int argc, char** argv) {
     return 2;
   }
 
+  if (shared_pollers > 0 && transport.rdma.poll_mode == rdmarpc::rdma::PollMode::kEvent) {
+    std::fprintf(stderr, "fanout_bench: --shared-pollers needs --poll adaptive or busy (event mode has no poller threads)\n");
+    return 2;
+  }
+  transport.rdma.shared_pollers = static_cast<unsigned>(shared_pollers);
   std::printf("fanout: %llu-byte ticks, latency run %llu ticks/s for %llu s, throughput run %llu ticks, policy block, "
-              "rdma poll %s\n\n",
-              tick_bytes, rate, seconds, ticks, poll.c_str());
+              "rdma poll %s%s\n\n",
+              tick_bytes, rate, seconds, ticks, poll.c_str(),
+              shared_pollers ? (" (" + std::to_string(shared_pollers) + " shared poller threads)").c_str() : "");
   std::printf("%-5s %4s %10s %10s %10s %14s %7s\n", "via", "subs", "p50 us", "p99 us", "p99.9 us", "ticks/s (agg)",
               "missed");
   std::vector<Row> rows;

@@ -41,10 +41,6 @@ Status CheckMetadata(const rpc::Metadata& md) {
 
 // What a CANCEL frame says: the client's deadline, or any other reason (a
 // cancelled call, a closed channel) as CANCELLED.
-StatusCode CancelReason(StatusCode why) {
-  return why == StatusCode::kDeadlineExceeded ? StatusCode::kDeadlineExceeded : StatusCode::kCancelled;
-}
-
 bool OnThisThread(const asio::any_io_executor& ex) {
   if (const auto* io = ex.target<asio::io_context::executor_type>()) return io->running_in_this_thread();
   return false;
@@ -233,7 +229,7 @@ class Channel::Impl::ClientStream final : public internal::StreamCore {
   size_t LinkMaxMessageSize() const override { return conn_->c->max_message_size(); }
   uint64_t LinkStreamId() const override { return id_; }
   void LinkCancelled(StatusCode why) override {
-    if (!conn_->dead) impl_->SendControl(conn_, rpc::FrameType::kCancel, id_, CancelReason(why));
+    if (!conn_->dead) impl_->SendControl(conn_, rpc::FrameType::kCancel, id_, rpc::CancelReason(why));
   }
   void LinkEnded() override { impl_->StreamEnded(this); }
 
@@ -436,7 +432,7 @@ void Channel::Impl::Finish(Call* call, Status status, ResponsePayload payload, b
       // The CANCEL says why, so the server counts a call the client's timer
       // ended as DEADLINE_EXCEEDED even when it arrives before its own timer fires.
       if (tell_server && !call->conn->dead)
-        SendControl(call->conn, rpc::FrameType::kCancel, call->id, CancelReason(status.code()));
+        SendControl(call->conn, rpc::FrameType::kCancel, call->id, rpc::CancelReason(status.code()));
       ReleaseConnCall(call->conn);
     }
   }

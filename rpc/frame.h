@@ -59,6 +59,13 @@ enum class FrameType : uint8_t {
   kWindow = 9,         // the receiver of `call_id` allows `method_id` more messages
 };
 inline constexpr uint8_t kMaxFrameType = 9;
+// The reason a CANCEL frame carries, and the code the server ends the call
+// with: DEADLINE_EXCEEDED when the client's deadline passed, CANCELLED for
+// anything else (both ends map through this one function).
+constexpr StatusCode CancelReason(StatusCode why) {
+  return why == StatusCode::kDeadlineExceeded ? StatusCode::kDeadlineExceeded : StatusCode::kCancelled;
+}
+
 // At most this many messages granted by one WINDOW frame.
 inline constexpr uint32_t kMaxWindowGrant = 1u << 20;
 

@@ -403,12 +403,12 @@ void Server::Impl::OnReceive(const std::shared_ptr<Conn>& conn, absl::StatusOr<M
       break;
     case rpc::FrameType::kCancel: {
       // The client's timer may beat ours by the transit time: its reason counts.
-      const bool deadline = f.header.status == StatusCode::kDeadlineExceeded;
+      const StatusCode why = rpc::CancelReason(f.header.status);
       if (auto it = conn->calls.find(f.header.call_id); it != conn->calls.end())
-        CancelCall(it->second, deadline ? StatusCode::kDeadlineExceeded : StatusCode::kCancelled, nullptr);
+        CancelCall(it->second, why, nullptr);
       if (auto it = conn->streams.find(f.header.call_id); it != conn->streams.end()) {
         std::shared_ptr<ServerStream> st = it->second;
-        st->Abort(deadline ? DeadlineExceededError("stream deadline exceeded (client timer)")
+        st->Abort(why == StatusCode::kDeadlineExceeded ? DeadlineExceededError("stream deadline exceeded (client timer)")
                            : CancelledError("stream cancelled by the client"));
       }
       break;

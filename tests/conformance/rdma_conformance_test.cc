@@ -20,14 +20,15 @@ std::shared_ptr<rdma::RdmaContext> Context() {
   return ctx.ok() ? *ctx : nullptr;
 }
 
-TransportUnderTest Rdma(rdma::PollMode mode) {
+TransportUnderTest Rdma(rdma::PollMode mode, unsigned shared_pollers = 0) {
   rdma::RdmaOptions options;
   options.poll_mode = mode;
+  options.shared_pollers = shared_pollers;
   // Large enough for the suite's 16 MiB messages (split WRITEs on rxe), small
   // enough that full-limit buffers fit the VM's memory.
   options.max_message_size = size_t{32} << 20;
   TransportUnderTest t;
-  t.name = rdma::PollModeName(mode);
+  t.name = std::string(rdma::PollModeName(mode)) + (shared_pollers ? "_shared" : "");
   t.listen_with_token = [options](asio::any_io_executor ex,
                                   const std::string& token) -> absl::StatusOr<std::unique_ptr<transport::Listener>> {
     auto ctx = Context();
@@ -55,16 +56,18 @@ TransportUnderTest Rdma(rdma::PollMode mode) {
     c(std::move(ex), uri, "", std::move(handler));
   };
   t.max_message_size = options.max_message_size;
-  t.busy_polling = mode == rdma::PollMode::kBusy;
+  t.busy_polling = mode == rdma::PollMode::kBusy && shared_pollers == 0;  // a thread per connection end
   return t;
 }
 
-// Every poll mode passes the same suite. (Thread pollers once stalled the
+// Every poll mode, with its own poller threads or shared ones, passes the same suite. (Thread pollers once stalled the
 // eight-connection test: CREDIT frames bouncing between two sides blocked on
 // rendezvous, see transport/rdma/credits.h; fixed, and simulated with transit
 // lag in tests/unit/rdma_protocol_test.cc.)
 std::vector<TransportUnderTest> Instances() {
-  return {Rdma(rdma::PollMode::kEvent), Rdma(rdma::PollMode::kAdaptive), Rdma(rdma::PollMode::kBusy)};
+  // "_shared": every connection of the binary on one shared poller thread.
+  return {Rdma(rdma::PollMode::kEvent), Rdma(rdma::PollMode::kAdaptive), Rdma(rdma::PollMode::kBusy),
+          Rdma(rdma::PollMode::kAdaptive, 1), Rdma(rdma::PollMode::kBusy, 1)};
 }
 
 INSTANTIATE_TEST_SUITE_P(Rdma, TransportConformance, ::testing::ValuesIn(Instances()), TransportName);

@@ -24,6 +24,7 @@
 #include "absl/strings/str_split.h"
 
 #include "tests/support/rdma_env.h"
+#include "transport/rdma/poller.h"
 #include "transport/rdma/rdma_transport.h"
 
 namespace rdmarpc::rdma {
@@ -224,6 +225,77 @@ TEST(RdmaTransportPollers, BusyPollerThreadsArePinnedToOneCore) {
   while (!PollerAffinities().empty() && std::chrono::steady_clock::now() < deadline)
     std::this_thread::sleep_for(std::chrono::milliseconds(20));
   EXPECT_TRUE(PollerAffinities().empty()) << "poller threads must stop with their connection";
+}
+
+// Shared pollers (RdmaOptions::shared_pollers): 8 connection pairs, 16 QPs,
+// polled by 2 threads in all, each pinned to one core and holding 8 CQs; every
+// connection carries eager and rendezvous traffic both ways; closing takes
+// each CQ off its thread, and the threads end with the context.
+TEST(RdmaTransportPollers, SharedPollersServeManyConnectionsWithTwoThreads) {
+  for (PollMode mode : {PollMode::kAdaptive, PollMode::kBusy}) {
+    SCOPED_TRACE(PollModeName(mode));
+    ASSERT_TRUE(PollerAffinities().empty()) << "a poller thread of an earlier test is still running";
+    auto ctx = OpenContext();
+    ASSERT_TRUE(ctx);
+    asio::io_context io;
+    RdmaOptions opt;
+    opt.poll_mode = mode;
+    opt.shared_pollers = 2;
+    std::vector<Pair> pairs;
+    for (int i = 0; i < 8; ++i) {
+      pairs.push_back(ConnectPair(io, ctx, opt));
+      ASSERT_TRUE(pairs.back().client && pairs.back().server) << "pair " << i;
+    }
+    auto affinities = PollerAffinities();
+    EXPECT_EQ(affinities.size(), 2u) << "16 QPs on 2 shared poller threads";
+    for (const auto& a : affinities)
+      EXPECT_TRUE(!a.empty() && a.find_first_not_of("0123456789") == std::string::npos)
+          << "pinned to one CPU, got " << a;
+    auto group = ctx->SharedPollers(opt);
+    ASSERT_TRUE(group.ok()) << group.status();
+    EXPECT_EQ((*group)->Load(), (std::vector<size_t>{8, 8}));
+    for (auto& p : pairs) {
+      ExpectDelivered(io, *p.client, *p.server, 64);
+      ExpectDelivered(io, *p.server, *p.client, 64);
+      ExpectDelivered(io, *p.client, *p.server, size_t{1} << 20);
+      ExpectDelivered(io, *p.server, *p.client, size_t{1} << 20);
+    }
+    for (auto& p : pairs) {
+      p.client->Close();
+      p.server->Close();
+    }
+    pairs.clear();
+    io.poll();
+    EXPECT_EQ((*group)->Load(), (std::vector<size_t>{0, 0})) << "closed connections leave their threads";
+    group = absl::InternalError("released");
+    ctx.reset();
+    io.poll();
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(5);
+    while (!PollerAffinities().empty() && std::chrono::steady_clock::now() < deadline)
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    EXPECT_TRUE(PollerAffinities().empty()) << "shared poller threads must stop with their context";
+  }
+}
+
+// Shared pollers in event mode are refused up front, with the reason, by
+// both Listen and Connect.
+TEST(RdmaTransportPollers, SharedPollersInEventModeAreRefusedWithTheReason) {
+  auto ctx = OpenContext();
+  ASSERT_TRUE(ctx);
+  asio::io_context io;
+  RdmaOptions opt;
+  opt.poll_mode = PollMode::kEvent;
+  opt.shared_pollers = 1;
+  auto listener = Listen(io.get_executor(), ctx, testing::TestIp(), 0, opt);
+  ASSERT_FALSE(listener.ok());
+  EXPECT_EQ(listener.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(listener.status().message().find("busy or adaptive"), absl::string_view::npos) << listener.status();
+  absl::Status client_st = absl::UnknownError("pending");
+  Connect(io.get_executor(), ctx, testing::TestIp(), 7999, opt,
+          [&](absl::StatusOr<std::unique_ptr<Connection>> c) { client_st = c.status(); });
+  io.run_for(std::chrono::seconds(1));
+  EXPECT_EQ(client_st.code(), absl::StatusCode::kInvalidArgument) << client_st;
+  EXPECT_NE(client_st.message().find("busy or adaptive"), absl::string_view::npos) << client_st;
 }
 
 // Object counts for our device from `rdma res show` ("pd 3 cq 4 qp 2 ...").

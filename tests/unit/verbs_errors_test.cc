@@ -3,6 +3,8 @@
 #include <gtest/gtest.h>
 #include <sys/resource.h>
 
+#include "absl/strings/str_cat.h"
+#include "transport/rdma/poller.h"
 #include "transport/rdma/verbs.h"
 
 namespace rdmarpc::rdma {
@@ -19,6 +21,24 @@ TEST(VerbsErrors, NoDevicePointsToTheSoftRoceHarness) {
   EXPECT_EQ(dev.status().code(), absl::StatusCode::kNotFound);
   EXPECT_TRUE(Contains(dev.status().message(), "tools/rxe-vm")) << dev.status();
   EXPECT_TRUE(Contains(dev.status().message(), "rdma link add")) << dev.status();
+}
+
+TEST(VerbsErrors, SharedPollersRejectEventModeAndBadThreadCounts) {
+  auto event = PollerGroup::Start(PollMode::kEvent, 2, {}, std::chrono::microseconds(50));
+  ASSERT_FALSE(event.ok());
+  EXPECT_EQ(event.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_TRUE(Contains(event.status().message(), "busy or adaptive")) << event.status();
+  for (unsigned n : {0u, PollerGroup::kMaxSharedPollers + 1}) {
+    auto bad = PollerGroup::Start(PollMode::kAdaptive, n, {}, std::chrono::microseconds(50));
+    ASSERT_FALSE(bad.ok()) << n;
+    EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_TRUE(Contains(bad.status().message(), absl::StrCat("got ", n))) << bad.status();
+  }
+  // A good group starts its threads with no CQ, and reports their load.
+  auto ok = PollerGroup::Start(PollMode::kBusy, 3, {}, std::chrono::microseconds(50));
+  ASSERT_TRUE(ok.ok()) << ok.status();
+  EXPECT_EQ((*ok)->threads(), 3u);
+  EXPECT_EQ((*ok)->Load(), (std::vector<size_t>{0, 0, 0}));
 }
 
 TEST(VerbsErrors, MemlockAdviceNamesTheLimitTheNeedAndTheFixes) {

@@ -4,9 +4,13 @@
 #include <poll.h>
 #include <pthread.h>
 #include <sched.h>
+#include <sys/eventfd.h>
+#include <unistd.h>
 
+#include <algorithm>
 #include <array>
 #include <fstream>
+#include <mutex>
 
 #include <boost/asio/post.hpp>
 
@@ -47,6 +51,29 @@ struct SinkBox {
   bool stopped = false;  // Executor-only.
 };
 
+// Hands a batch to the sink on `ex`, unless the poller was stopped meanwhile.
+void Deliver(const asio::any_io_executor& ex, const std::shared_ptr<SinkBox>& box, const Batch& b) {
+  asio::post(ex, [box, b] {
+    if (!box->stopped) box->sink({b.wc.data(), static_cast<size_t>(b.n)});
+  });
+}
+
+void PinThread(std::thread& t, int cpu) {
+  if (cpu < 0) return;
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  CPU_SET(cpu, &set);
+  if (int rc = pthread_setaffinity_np(t.native_handle(), sizeof set, &set); rc != 0)
+    RDMARPC_LOG(kWarn, "poller", "event=pin_failed cpu=", cpu, " error=", std::strerror(rc));
+}
+
+absl::Status MakeNonBlocking(int fd, const char* what) {
+  int flags = fcntl(fd, F_GETFL);
+  if (flags < 0 || fcntl(fd, F_SETFL, flags | O_NONBLOCK) < 0)
+    return ErrnoStatus(errno, absl::StrCat("fcntl(O_NONBLOCK) on ", what));
+  return absl::OkStatus();
+}
+
 class EventPoller final : public Poller {
  public:
   EventPoller(asio::any_io_executor ex, ibv_cq* cq, ibv_comp_channel* channel, Sink sink)
@@ -56,9 +83,7 @@ class EventPoller final : public Poller {
   ~EventPoller() override { Stop(); }
 
   absl::Status Arm() {
-    int flags = fcntl(channel_->fd, F_GETFL);
-    if (flags < 0 || fcntl(channel_->fd, F_SETFL, flags | O_NONBLOCK) < 0)
-      return ErrnoStatus(errno, "fcntl(O_NONBLOCK) on the completion channel");
+    if (auto st = MakeNonBlocking(channel_->fd, "the completion channel"); !st.ok()) return st;
     if (int rc = ibv_req_notify_cq(cq_, 0); rc != 0) return ErrnoStatus(rc, "ibv_req_notify_cq");
     // Completions that landed before the CQ was armed raise no event (the
     // peer may SEND the moment the connection is established): drain once.
@@ -128,19 +153,11 @@ class ThreadPoller final : public Poller {
 
   absl::Status Run(int cpu) {
     if (mode_ == PollMode::kAdaptive) {
-      int flags = fcntl(channel_->fd, F_GETFL);
-      if (flags < 0 || fcntl(channel_->fd, F_SETFL, flags | O_NONBLOCK) < 0)
-        return ErrnoStatus(errno, "fcntl(O_NONBLOCK) on the completion channel");
+      if (auto st = MakeNonBlocking(channel_->fd, "the completion channel"); !st.ok()) return st;
     }
     thread_ = std::thread([this] { Loop(); });
     pthread_setname_np(thread_.native_handle(), "rdmarpc-poll");
-    if (cpu >= 0) {
-      cpu_set_t set;
-      CPU_ZERO(&set);
-      CPU_SET(cpu, &set);
-      if (int rc = pthread_setaffinity_np(thread_.native_handle(), sizeof set, &set); rc != 0)
-        RDMARPC_LOG(kWarn, "poller", "event=pin_failed cpu=", cpu, " error=", std::strerror(rc));
-    }
+    PinThread(thread_, cpu);
     return absl::OkStatus();
   }
 
@@ -154,18 +171,12 @@ class ThreadPoller final : public Poller {
   }
 
  private:
-  void Deliver(const Batch& b) {
-    asio::post(ex_, [box = box_, b] {
-      if (!box->stopped) box->sink({b.wc.data(), static_cast<size_t>(b.n)});
-    });
-  }
-
   // Returns true when at least one completion was delivered.
   bool Drain() {
     bool any = false;
     Batch b;
     while ((b.n = ibv_poll_cq(cq_, kBatch, b.wc.data())) > 0) {
-      Deliver(b);
+      Deliver(ex_, box_, b);
       any = true;
     }
     return any;
@@ -228,6 +239,230 @@ absl::StatusOr<std::unique_ptr<Poller>> Poller::Start(PollMode mode, asio::any_i
   auto p = std::make_unique<ThreadPoller>(mode, std::move(ex), cq, channel, spin, std::move(sink));
   if (auto st = p->Run(cpu); !st.ok()) return st;
   return std::unique_ptr<Poller>(std::move(p));
+}
+
+// ---- shared pollers ----------------------------------------------------------
+
+namespace {
+
+// One CQ polled by a group thread. Owned by its GroupMember handle; the
+// thread sees it only through Worker::members_, under the worker's lock.
+struct Member {
+  ibv_cq* cq;
+  ibv_comp_channel* channel;
+  asio::any_io_executor ex;
+  std::shared_ptr<SinkBox> box;
+  unsigned unacked = 0;  // Under the worker's lock.
+};
+
+}  // namespace
+
+class PollerGroup::Worker {
+ public:
+  Worker(PollMode mode, std::chrono::microseconds spin) : mode_(mode), spin_(spin) {}
+  ~Worker() {
+    stop_.store(true, std::memory_order_relaxed);
+    Wake();
+    if (thread_.joinable()) thread_.join();
+    if (wake_fd_ >= 0) ::close(wake_fd_);
+  }
+
+  absl::Status Run(int cpu) {
+    wake_fd_ = ::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+    if (wake_fd_ < 0) return ErrnoStatus(errno, "eventfd for a shared poller");
+    thread_ = std::thread([this] { Loop(); });
+    pthread_setname_np(thread_.native_handle(), "rdmarpc-poll");
+    PinThread(thread_, cpu);
+    return absl::OkStatus();
+  }
+
+  size_t load() const { return load_.load(std::memory_order_relaxed); }
+
+  void Add(Member* m) {
+    {
+      std::lock_guard lock(mu_);
+      members_.push_back(m);
+      ++generation_;
+    }
+    load_.fetch_add(1, std::memory_order_relaxed);
+    // A sleeping thread must arm the new CQ and watch its channel; one
+    // that completions would never wake must be told.
+    Wake();
+  }
+
+  // After this returns the thread never touches m's CQ again.
+  void Remove(Member* m) {
+    std::lock_guard lock(mu_);
+    auto it = std::find(members_.begin(), members_.end(), m);
+    if (it == members_.end()) return;
+    members_.erase(it);
+    ++generation_;
+    load_.fetch_sub(1, std::memory_order_relaxed);
+    // Events taken must be acked before the CQ can be destroyed.
+    if (m->unacked > 0) ibv_ack_cq_events(m->cq, m->unacked);
+    m->unacked = 0;
+  }
+
+ private:
+  void Wake() {
+    if (wake_fd_ < 0) return;
+    uint64_t one = 1;
+    [[maybe_unused]] ssize_t n = ::write(wake_fd_, &one, sizeof one);
+  }
+
+  // Every member's CQ to empty. Under the lock.
+  bool DrainAll() {
+    bool any = false;
+    Batch b;
+    for (Member* m : members_) {
+      while ((b.n = ibv_poll_cq(m->cq, kBatch, b.wc.data())) > 0) {
+        Deliver(m->ex, m->box, b);
+        any = true;
+      }
+    }
+    return any;
+  }
+
+  void Loop() {
+    using Clock = std::chrono::steady_clock;
+    auto idle_since = Clock::now();
+    uint32_t empty_polls = 0;
+    std::vector<pollfd> fds;
+    std::vector<Member*> watched;
+    uint64_t watched_generation = 0;
+    while (!stop_.load(std::memory_order_relaxed)) {
+      bool any = false, empty = false;
+      {
+        std::lock_guard lock(mu_);
+        any = DrainAll();
+        empty = members_.empty();
+      }
+      if (any) {
+        idle_since = Clock::now();
+        empty_polls = 0;
+        continue;
+      }
+      const bool sleep = empty || (mode_ == PollMode::kAdaptive && Clock::now() - idle_since >= spin_);
+      if (!sleep) {
+        if (mode_ == PollMode::kBusy && ++empty_polls % kPollsPerYield == 0) sched_yield();
+        continue;
+      }
+      // Arm every CQ, drain once more (closes the race), then sleep on the
+      // channels and the wake-up fd. Busy threads with no CQs sleep too.
+      {
+        std::lock_guard lock(mu_);
+        if (mode_ == PollMode::kAdaptive)
+          for (Member* m : members_) ibv_req_notify_cq(m->cq, 0);
+        any = DrainAll();
+        fds.clear();
+        fds.push_back({wake_fd_, POLLIN, 0});
+        watched.clear();
+        if (mode_ == PollMode::kAdaptive) {
+          for (Member* m : members_) {
+            fds.push_back({m->channel->fd, POLLIN, 0});
+            watched.push_back(m);
+          }
+        }
+        watched_generation = generation_;
+      }
+      if (any) {
+        idle_since = Clock::now();
+        continue;
+      }
+      // The timeout only bounds a missed wake-up; completions and Add() wake us.
+      if (::poll(fds.data(), fds.size(), 100) > 0) {
+        if (fds[0].revents & POLLIN) {
+          uint64_t v;
+          [[maybe_unused]] ssize_t n = ::read(wake_fd_, &v, sizeof v);
+        }
+        std::lock_guard lock(mu_);
+        if (generation_ == watched_generation) {
+          for (size_t i = 0; i < watched.size(); ++i)
+            if (fds[i + 1].revents) TakeCqEvents(watched[i]->channel, watched[i]->cq, watched[i]->unacked);
+        } else if (mode_ == PollMode::kAdaptive) {
+          // Members came or went while we slept: their channels are
+          // non-blocking, so taking from all of them is safe.
+          for (Member* m : members_) TakeCqEvents(m->channel, m->cq, m->unacked);
+        }
+      }
+      idle_since = Clock::now();
+    }
+  }
+
+  static constexpr uint32_t kPollsPerYield = 256;
+  const PollMode mode_;
+  const std::chrono::microseconds spin_;
+  mutable std::mutex mu_;
+  std::vector<Member*> members_;  // Under mu_.
+  uint64_t generation_ = 0;       // Under mu_; bumped on every Add/Remove.
+  std::atomic<size_t> load_{0};
+  std::atomic<bool> stop_{false};
+  int wake_fd_ = -1;
+  std::thread thread_;
+};
+
+namespace {
+
+class GroupMember final : public Poller {
+ public:
+  GroupMember(std::shared_ptr<PollerGroup> group, PollerGroup::Worker* worker, std::unique_ptr<Member> m)
+      : group_(std::move(group)), worker_(worker), member_(std::move(m)) {}
+  ~GroupMember() override { Stop(); }
+  void Stop() override {
+    if (member_->box->stopped) return;
+    member_->box->stopped = true;
+    worker_->Remove(member_.get());
+  }
+
+ private:
+  std::shared_ptr<PollerGroup> group_;  // Keeps the worker thread alive.
+  PollerGroup::Worker* worker_;
+  std::unique_ptr<Member> member_;
+};
+
+}  // namespace
+
+absl::StatusOr<std::shared_ptr<PollerGroup>> PollerGroup::Start(PollMode mode, unsigned threads,
+                                                                std::vector<int> cpus,
+                                                                std::chrono::microseconds spin) {
+  if (mode == PollMode::kEvent)
+    return absl::InvalidArgumentError(
+        "shared pollers need poll mode busy or adaptive (event mode polls on the connection's executor, "
+        "with no poller thread to share)");
+  if (threads == 0 || threads > kMaxSharedPollers)
+    return absl::InvalidArgumentError(
+        absl::StrCat("shared_pollers must be between 1 and ", kMaxSharedPollers, ", got ", threads));
+  auto group = std::shared_ptr<PollerGroup>(new PollerGroup(mode, spin));
+  for (unsigned i = 0; i < threads; ++i) {
+    group->workers_.push_back(std::make_unique<Worker>(mode, spin));
+    if (auto st = group->workers_.back()->Run(cpus.empty() ? -1 : cpus[i % cpus.size()]); !st.ok()) return st;
+  }
+  return group;
+}
+
+PollerGroup::PollerGroup(PollMode mode, std::chrono::microseconds spin) : mode_(mode), spin_(spin) {}
+PollerGroup::~PollerGroup() = default;
+
+unsigned PollerGroup::threads() const { return static_cast<unsigned>(workers_.size()); }
+
+std::vector<size_t> PollerGroup::Load() const {
+  std::vector<size_t> out;
+  for (const auto& w : workers_) out.push_back(w->load());
+  return out;
+}
+
+absl::StatusOr<std::unique_ptr<Poller>> PollerGroup::Add(asio::any_io_executor ex, ibv_cq* cq,
+                                                         ibv_comp_channel* channel, Poller::Sink sink) {
+  if (mode_ == PollMode::kAdaptive)
+    if (auto st = MakeNonBlocking(channel->fd, "the completion channel"); !st.ok()) return st;
+  Worker* least = workers_.front().get();
+  for (const auto& w : workers_)
+    if (w->load() < least->load()) least = w.get();
+  auto box = std::make_shared<SinkBox>();
+  box->sink = std::move(sink);
+  auto m = std::make_unique<Member>(Member{cq, channel, std::move(ex), std::move(box)});
+  least->Add(m.get());
+  return std::unique_ptr<Poller>(new GroupMember(shared_from_this(), least, std::move(m)));
 }
 
 std::vector<int> LocalCpus(const Device& device) {

@@ -12,6 +12,7 @@
 #include <memory>
 #include <span>
 #include <thread>
+#include <vector>
 
 #include <boost/asio/any_io_executor.hpp>
 #include <boost/asio/posix/stream_descriptor.hpp>
@@ -33,6 +34,46 @@ class Poller {
   // Stops polling; joins the thread if there is one. Call on the executor.
   // The sink is not called after Stop() returns.
   virtual void Stop() = 0;
+};
+
+// Poller threads shared by many connections (RdmaOptions::shared_pollers).
+// Each thread owns a set of CQs and drains every one of them to empty on each
+// pass, in turn; busy threads spin over their set, adaptive ones spin for
+// `spin` after the last completion of any of their CQs, then arm them all and
+// sleep in poll(2) on their completion channels. A CQ joins the thread with
+// the fewest CQs. With N threads, M connections cost N cores instead of M:
+// what a small machine with many connections (fanout) needs.
+//
+// Add() and Poller::Stop() are called on connection executors; they take the
+// thread's lock, so a CQ is never polled after its Stop() returns.
+class PollerGroup : public std::enable_shared_from_this<PollerGroup> {
+ public:
+  static constexpr unsigned kMaxSharedPollers = 256;
+  // mode: kBusy or kAdaptive. Thread i is pinned to cpus[i % cpus.size()]
+  // (unpinned when cpus is empty).
+  static absl::StatusOr<std::shared_ptr<PollerGroup>> Start(PollMode mode, unsigned threads,
+                                                            std::vector<int> cpus,
+                                                            std::chrono::microseconds spin);
+  ~PollerGroup();  // Joins the threads. Every Poller from Add() holds the group.
+  PollerGroup(const PollerGroup&) = delete;
+  PollerGroup& operator=(const PollerGroup&) = delete;
+
+  // Starts polling `cq` on the least loaded thread; the sink runs on `ex`.
+  absl::StatusOr<std::unique_ptr<Poller>> Add(asio::any_io_executor ex, ibv_cq* cq,
+                                              ibv_comp_channel* channel, Poller::Sink sink);
+  PollMode mode() const { return mode_; }
+  unsigned threads() const;
+  std::chrono::microseconds spin() const { return spin_; }
+  // CQs per thread, now.
+  std::vector<size_t> Load() const;
+
+  class Worker;
+
+ private:
+  PollerGroup(PollMode mode, std::chrono::microseconds spin);
+  PollMode mode_;
+  std::chrono::microseconds spin_;
+  std::vector<std::unique_ptr<Worker>> workers_;
 };
 
 // CPUs local to the device's NUMA node that this process may run on, from

@@ -168,21 +168,29 @@ class RdmaConnectionImpl final : public std::enable_shared_from_this<RdmaConnect
     peer_max_message_ = hello->max_message;
     eager_to_peer_ = std::min<size_t>(opt_.eager_limit, hello->recv_slot_bytes - wire::kHeaderSize);
 
-    int cpu = opt_.poller_cpu;
-    if (cpu < 0 && opt_.poll_mode != PollMode::kEvent) {
-      auto cpus = LocalCpus(ctx_->device());
-      cpu = cpus.empty() ? -1 : cpus[ctx_->NextPollerSlot() % cpus.size()];
-    }
     std::weak_ptr<RdmaConnectionImpl> weak = weak_from_this();
-    auto poller = Poller::Start(opt_.poll_mode, ex_, cq_.get(), channel_.get(), cpu, opt_.adaptive_spin,
-                                [weak](std::span<const ibv_wc> wcs) {
-                                  if (auto self = weak.lock()) self->OnCompletions(wcs);
-                                });
+    Poller::Sink sink = [weak](std::span<const ibv_wc> wcs) {
+      if (auto self = weak.lock()) self->OnCompletions(wcs);
+    };
+    absl::StatusOr<std::unique_ptr<Poller>> poller;
+    if (opt_.shared_pollers > 0) {
+      auto group = ctx_->SharedPollers(opt_);
+      if (!group.ok()) return group.status();
+      poller = (*group)->Add(ex_, cq_.get(), channel_.get(), std::move(sink));
+    } else {
+      int cpu = opt_.poller_cpu;
+      if (cpu < 0 && opt_.poll_mode != PollMode::kEvent) {
+        auto cpus = LocalCpus(ctx_->device());
+        cpu = cpus.empty() ? -1 : cpus[ctx_->NextPollerSlot() % cpus.size()];
+      }
+      poller = Poller::Start(opt_.poll_mode, ex_, cq_.get(), channel_.get(), cpu, opt_.adaptive_spin,
+                             std::move(sink));
+    }
     if (!poller.ok()) return poller.status();
     poller_ = std::move(*poller);
     WatchCm();
     RDMARPC_LOG(kInfo, "rdma", "event=established peer=", peer_uri_, " device=", ctx_->device().name(),
-                " poll=", PollModeName(opt_.poll_mode), " eager_limit=", eager_to_peer_,
+                " poll=", PollModeName(opt_.poll_mode), opt_.shared_pollers ? " (shared)" : "", " eager_limit=", eager_to_peer_,
                 " credits=", hello->recv_data);
     return absl::OkStatus();
   }
@@ -1066,6 +1074,23 @@ const char* PollModeName(PollMode mode) {
   return "?";
 }
 
+absl::StatusOr<std::shared_ptr<PollerGroup>> RdmaContext::SharedPollers(const RdmaOptions& options) {
+  std::lock_guard lock(shared_mu_);
+  for (const Shared& s : shared_)
+    if (s.mode == options.poll_mode && s.threads == options.shared_pollers && s.cpu == options.poller_cpu &&
+        s.spin == options.adaptive_spin)
+      return s.group;
+  std::vector<int> cpus;
+  if (options.poller_cpu >= 0) cpus.push_back(options.poller_cpu);
+  else cpus = LocalCpus(device_);
+  auto group = PollerGroup::Start(options.poll_mode, options.shared_pollers, std::move(cpus), options.adaptive_spin);
+  if (!group.ok()) return group.status();
+  shared_.push_back({options.poll_mode, options.shared_pollers, options.poller_cpu, options.adaptive_spin, *group});
+  RDMARPC_LOG(kInfo, "rdma", "event=shared_pollers device=", device_.name(), " poll=", PollModeName(options.poll_mode),
+              " threads=", options.shared_pollers);
+  return *group;
+}
+
 absl::StatusOr<std::shared_ptr<RdmaContext>> RdmaContext::Open(const DeviceSelector& selector) {
   const char* fork = "kernel";
   if (ibv_is_fork_initialized() == IBV_FORK_DISABLED) {
@@ -1086,10 +1111,27 @@ absl::StatusOr<std::shared_ptr<RdmaContext>> RdmaContext::Open(const DeviceSelec
   return context;
 }
 
+namespace {
+
+// Options that cannot work, refused before anything is set up.
+absl::Status CheckOptions(const RdmaOptions& o) {
+  if (o.shared_pollers > 0 && o.poll_mode == PollMode::kEvent)
+    return absl::InvalidArgumentError(
+        "shared_pollers needs poll mode busy or adaptive (event mode polls on the connection's executor, "
+        "with no poller thread to share); set poll_mode or leave shared_pollers at 0");
+  if (o.shared_pollers > PollerGroup::kMaxSharedPollers)
+    return absl::InvalidArgumentError(absl::StrCat("shared_pollers must be at most ", PollerGroup::kMaxSharedPollers,
+                                                   ", got ", o.shared_pollers));
+  return absl::OkStatus();
+}
+
+}  // namespace
+
 absl::StatusOr<std::unique_ptr<transport::Listener>> Listen(asio::any_io_executor ex,
                                                             std::shared_ptr<RdmaContext> context,
                                                             const std::string& host, uint16_t port,
                                                             RdmaOptions options) {
+  if (auto st = CheckOptions(options); !st.ok()) return st;
   auto cm = CmListener::Listen(ex, host, port, options.cm);
   if (!cm.ok()) return cm.status();
   return std::unique_ptr<transport::Listener>(
@@ -1098,6 +1140,12 @@ absl::StatusOr<std::unique_ptr<transport::Listener>> Listen(asio::any_io_executo
 
 void Connect(asio::any_io_executor ex, std::shared_ptr<RdmaContext> context, const std::string& host,
              uint16_t port, RdmaOptions options, transport::Listener::AcceptHandler handler) {
+  if (auto st = CheckOptions(options); !st.ok()) {
+    asio::post(ex, [h = std::move(handler), st]() mutable {
+      std::move(h)(absl::StatusOr<std::unique_ptr<transport::Connection>>(st));
+    });
+    return;
+  }
   asio::co_spawn(ex, ConnectImpl(ex, std::move(context), host, port, options), Finish(ex, std::move(handler)));
 }
 

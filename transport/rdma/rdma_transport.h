@@ -20,13 +20,17 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <mutex>
 #include <string>
+#include <vector>
 
 #include "transport/rdma/cm.h"
 #include "transport/rdma/verbs.h"
 #include "transport/transport.h"
 
 namespace rdmarpc::rdma {
+
+class PollerGroup;  // poller.h
 
 enum class PollMode {
   // The completion channel's fd sits in the Asio reactor: no extra thread,
@@ -52,6 +56,13 @@ struct RdmaOptions {
   // How long an adaptive poller spins before sleeping: about one small-message
   // round trip on a real NIC, so a ping-pong never sleeps.
   std::chrono::microseconds adaptive_spin{50};
+  // Busy/adaptive only: 0 gives every connection its own poller thread (the
+  // lowest latency while there are cores for them); N > 0 makes connections
+  // of the same RdmaContext share N poller threads (RdmaContext::SharedPollers),
+  // each draining its CQs in turn: many connections on few cores, as in
+  // fanout to many subscribers. poller_cpu >= 0 pins them all to that core;
+  // otherwise thread i goes to the i-th local core.
+  unsigned shared_pollers = 0;
   // RECVs kept posted for data frames: the peer's send window. 64 x 4 KiB
   // slots = 256 KiB registered per connection, enough to cover the
   // bandwidth-delay product of 100 Gb/s x 20 us.
@@ -123,12 +134,26 @@ class RdmaContext {
   const char* fork_protection() const { return fork_protection_; }
   // Spreads pollers of successive connections over the local cores.
   unsigned NextPollerSlot() { return next_poller_slot_.fetch_add(1, std::memory_order_relaxed); }
+  // The shared poller threads for options.poll_mode/shared_pollers/
+  // poller_cpu/adaptive_spin, started by the first connection that asks and
+  // kept until the context goes (they sleep while they have no CQs).
+  // Connections with the same settings share them. Thread-safe.
+  absl::StatusOr<std::shared_ptr<PollerGroup>> SharedPollers(const RdmaOptions& options);
 
  private:
   explicit RdmaContext(Device device) : device_(std::move(device)) {}
   Device device_;
   const char* fork_protection_ = "";
   std::atomic<unsigned> next_poller_slot_{0};
+  struct Shared {
+    PollMode mode;
+    unsigned threads;
+    int cpu;
+    std::chrono::microseconds spin;
+    std::shared_ptr<PollerGroup> group;
+  };
+  std::mutex shared_mu_;
+  std::vector<Shared> shared_;  // Under shared_mu_.
 };
 
 // Listens on host:port (port 0: any). local_uri() is "rdma://host:port".
