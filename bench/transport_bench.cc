@@ -6,6 +6,7 @@
 //   transport_bench [--transport=rdma,tcp] [--sizes=64,4096,65536,1048576]
 //                   [--iters=N] [--window=N] [--poll=event|adaptive|busy]
 //                   [--device=NAME] [--ip=ADDR] [--with-perftest] [--phase-ms=3000] [--spin]
+//                   [--rtc]   (busy/adaptive: run to completion, no poller thread)
 //
 // Client and server run in one process on two threads, each with its own
 // io_context, so neither side's processing hides in the other's.
@@ -56,13 +57,14 @@ struct Flags {
   // each round trip pays two thread wake-ups, which emulation makes ~100x
   // dearer than real hardware.
   bool spin = false;
+  bool rtc = false;  // RdmaOptions::run_to_completion
 };
 
 [[noreturn]] void Usage(const std::string& why) {
   std::fprintf(stderr,
                "transport_bench: %s\nusage: transport_bench [--transport=rdma,tcp] [--sizes=64,4096,...] "
                "[--iters=N] [--window=N] [--poll=event|adaptive|busy] [--device=NAME] [--ip=ADDR] "
-               "[--with-perftest] [--phase-ms=MS] [--spin]\n",
+               "[--with-perftest] [--phase-ms=MS] [--spin] [--rtc]\n",
                why.c_str());
   std::exit(2);
 }
@@ -104,6 +106,8 @@ Flags Parse(int argc, char** argv) {
       f.ip = val;
     } else if (key == "--spin") {
       f.spin = true;
+    } else if (key == "--rtc") {
+      f.rtc = true;
     } else if (key == "--with-perftest") {
       f.perftest = true;
     } else if (key == "--help" || key == "-h") {
@@ -249,6 +253,7 @@ absl::Status RunTransport(const std::string& name, const Flags& f, std::vector<R
   absl::StatusOr<std::unique_ptr<Listener>> listener = absl::UnknownError("unset");
   rdmarpc::rdma::RdmaOptions ro;
   ro.poll_mode = f.poll;
+  ro.run_to_completion = f.rtc;
   if (name == "rdma") {
     auto c = rdmarpc::rdma::RdmaContext::Open({.name = f.device});
     if (!c.ok()) return c.status();
@@ -312,7 +317,8 @@ int main(int argc, char** argv) {
   g_spin = f.spin;
   std::vector<Row> rows;
   for (const auto& t : f.transports) {
-    std::fprintf(stderr, "== %s (poll=%s)\n", t.c_str(), rdmarpc::rdma::PollModeName(f.poll));
+    std::fprintf(stderr, "== %s (poll=%s%s)\n", t.c_str(), rdmarpc::rdma::PollModeName(f.poll),
+                 f.rtc ? ", run to completion" : "");
     if (auto st = RunTransport(t, f, rows); !st.ok()) {
       std::fprintf(stderr, "transport_bench: %s: %s\n", t.c_str(), st.ToString().c_str());
       return 1;

@@ -20,15 +20,20 @@ std::shared_ptr<rdma::RdmaContext> Context() {
   return ctx.ok() ? *ctx : nullptr;
 }
 
-TransportUnderTest Rdma(rdma::PollMode mode, unsigned shared_pollers = 0) {
+enum class Pollers { kOwn, kShared, kRunToCompletion };
+
+TransportUnderTest Rdma(rdma::PollMode mode, Pollers pollers = Pollers::kOwn) {
   rdma::RdmaOptions options;
   options.poll_mode = mode;
-  options.shared_pollers = shared_pollers;
+  options.shared_pollers = pollers == Pollers::kShared ? 1 : 0;
+  options.run_to_completion = pollers == Pollers::kRunToCompletion;
   // Large enough for the suite's 16 MiB messages (split WRITEs on rxe), small
   // enough that full-limit buffers fit the VM's memory.
   options.max_message_size = size_t{32} << 20;
   TransportUnderTest t;
-  t.name = std::string(rdma::PollModeName(mode)) + (shared_pollers ? "_shared" : "");
+  t.name = std::string(rdma::PollModeName(mode)) + (pollers == Pollers::kShared            ? "_shared"
+                                                     : pollers == Pollers::kRunToCompletion ? "_rtc"
+                                                                                            : "");
   t.listen_with_token = [options](asio::any_io_executor ex,
                                   const std::string& token) -> absl::StatusOr<std::unique_ptr<transport::Listener>> {
     auto ctx = Context();
@@ -56,7 +61,7 @@ TransportUnderTest Rdma(rdma::PollMode mode, unsigned shared_pollers = 0) {
     c(std::move(ex), uri, "", std::move(handler));
   };
   t.max_message_size = options.max_message_size;
-  t.busy_polling = mode == rdma::PollMode::kBusy && shared_pollers == 0;  // a thread per connection end
+  t.busy_polling = mode == rdma::PollMode::kBusy && pollers == Pollers::kOwn;  // a thread per connection end
   return t;
 }
 
@@ -66,8 +71,14 @@ TransportUnderTest Rdma(rdma::PollMode mode, unsigned shared_pollers = 0) {
 // lag in tests/unit/rdma_protocol_test.cc.)
 std::vector<TransportUnderTest> Instances() {
   // "_shared": every connection of the binary on one shared poller thread.
-  return {Rdma(rdma::PollMode::kEvent), Rdma(rdma::PollMode::kAdaptive), Rdma(rdma::PollMode::kBusy),
-          Rdma(rdma::PollMode::kAdaptive, 1), Rdma(rdma::PollMode::kBusy, 1)};
+  // "_rtc": run to completion, the executor's thread polls (no poller thread).
+  return {Rdma(rdma::PollMode::kEvent),
+          Rdma(rdma::PollMode::kAdaptive),
+          Rdma(rdma::PollMode::kBusy),
+          Rdma(rdma::PollMode::kAdaptive, Pollers::kShared),
+          Rdma(rdma::PollMode::kBusy, Pollers::kShared),
+          Rdma(rdma::PollMode::kAdaptive, Pollers::kRunToCompletion),
+          Rdma(rdma::PollMode::kBusy, Pollers::kRunToCompletion)};
 }
 
 INSTANTIATE_TEST_SUITE_P(Rdma, TransportConformance, ::testing::ValuesIn(Instances()), TransportName);

@@ -277,6 +277,48 @@ TEST(RdmaTransportPollers, SharedPollersServeManyConnectionsWithTwoThreads) {
   }
 }
 
+// Run to completion: no poller thread at all; the io_context's thread polls
+// the CQ and handles completions, eager and rendezvous, both ways.
+TEST(RdmaTransportPollers, RunToCompletionPollsOnTheExecutorThreadOnly) {
+  for (PollMode mode : {PollMode::kAdaptive, PollMode::kBusy}) {
+    SCOPED_TRACE(PollModeName(mode));
+    auto ctx = OpenContext();
+    ASSERT_TRUE(ctx);
+    asio::io_context io;
+    RdmaOptions opt;
+    opt.poll_mode = mode;
+    opt.run_to_completion = true;
+    Pair p = ConnectPair(io, ctx, opt);
+    ASSERT_TRUE(p.client && p.server);
+    EXPECT_TRUE(PollerAffinities().empty()) << "run to completion starts no poller thread";
+    for (size_t size : {size_t{1}, size_t{64}, size_t{4096}, size_t{1} << 20}) {
+      ExpectDelivered(io, *p.client, *p.server, size);
+      ExpectDelivered(io, *p.server, *p.client, size);
+    }
+    // Adaptive: quiet for longer than the spin, the executor sleeps on the
+    // channel; a message must still wake it.
+    io.run_for(std::chrono::milliseconds(20));
+    ExpectDelivered(io, *p.client, *p.server, 64);
+    EXPECT_TRUE(PollerAffinities().empty());
+    p.client->Close();
+    p.server->Close();
+  }
+}
+
+TEST(RdmaTransportPollers, RunToCompletionWithSharedPollersIsRefused) {
+  auto ctx = OpenContext();
+  ASSERT_TRUE(ctx);
+  asio::io_context io;
+  RdmaOptions opt;
+  opt.poll_mode = PollMode::kAdaptive;
+  opt.shared_pollers = 1;
+  opt.run_to_completion = true;
+  auto listener = Listen(io.get_executor(), ctx, testing::TestIp(), 0, opt);
+  ASSERT_FALSE(listener.ok());
+  EXPECT_EQ(listener.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(listener.status().message().find("exclude each other"), absl::string_view::npos) << listener.status();
+}
+
 // Shared pollers in event mode are refused up front, with the reason, by
 // both Listen and Connect.
 TEST(RdmaTransportPollers, SharedPollersInEventModeAreRefusedWithTheReason) {

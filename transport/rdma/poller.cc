@@ -74,16 +74,33 @@ absl::Status MakeNonBlocking(int fd, const char* what) {
   return absl::OkStatus();
 }
 
+// Polls on the connection's executor, no thread of its own. Plain event mode
+// sleeps on the completion channel in the reactor between batches. With
+// `spin` (run to completion, busy or adaptive) the executor's thread polls
+// the CQ itself: after a completion it keeps draining from a task it posts
+// again after every pass (other handlers, timers and sockets still run
+// between passes), forever in busy mode, or until `spin` has passed without
+// a completion in adaptive mode, when it arms the CQ and goes back to the
+// channel. Completions are handled where they were polled: no hand-off.
 class EventPoller final : public Poller {
  public:
-  EventPoller(asio::any_io_executor ex, ibv_cq* cq, ibv_comp_channel* channel, Sink sink)
-      : cq_(cq), channel_(channel), fd_(ex, channel->fd), box_(std::make_shared<SinkBox>()) {
+  enum class Spin { kNone, kAdaptive, kBusy };
+  EventPoller(asio::any_io_executor ex, ibv_cq* cq, ibv_comp_channel* channel, Spin spin,
+              std::chrono::microseconds spin_for, Sink sink)
+      : cq_(cq), channel_(channel), fd_(ex, channel->fd), box_(std::make_shared<SinkBox>()), spin_(spin),
+        spin_for_(spin_for) {
     box_->sink = std::move(sink);
   }
   ~EventPoller() override { Stop(); }
 
   absl::Status Arm() {
     if (auto st = MakeNonBlocking(channel_->fd, "the completion channel"); !st.ok()) return st;
+    if (spin_ != Spin::kNone) {
+      // Start spinning: the peer may SEND the moment the connection is up.
+      last_completion_ = Clock::now();
+      PostSpin();
+      return absl::OkStatus();
+    }
     if (int rc = ibv_req_notify_cq(cq_, 0); rc != 0) return ErrnoStatus(rc, "ibv_req_notify_cq");
     // Completions that landed before the CQ was armed raise no event (the
     // peer may SEND the moment the connection is established): drain once.
@@ -116,6 +133,12 @@ class EventPoller final : public Poller {
 
   void OnReadable() {
     TakeCqEvents(channel_, cq_, unacked_);
+    if (spin_ != Spin::kNone) {
+      // Traffic again: poll from the executor until it is quiet.
+      last_completion_ = Clock::now();
+      SpinPass();
+      return;
+    }
     // Re-arm first, then drain: a completion that lands between the drain and
     // the arm would otherwise never raise an event.
     ibv_req_notify_cq(cq_, 0);
@@ -123,22 +146,54 @@ class EventPoller final : public Poller {
     Wait();
   }
 
+  void PostSpin() {
+    asio::post(fd_.get_executor(), [this, box = box_] {
+      if (!box->stopped) SpinPass();
+    });
+  }
+
+  void SpinPass() {
+    bool any = false;
+    if (!DrainToEmpty(&any)) return;
+    const auto now = Clock::now();
+    if (any) last_completion_ = now;
+    if (spin_ == Spin::kBusy || now - last_completion_ < spin_for_) {
+      PostSpin();
+      return;
+    }
+    // Quiet for spin_for_: arm, drain once more (closes the race), sleep.
+    ibv_req_notify_cq(cq_, 0);
+    any = false;
+    if (!DrainToEmpty(&any)) return;
+    if (any) {
+      last_completion_ = now;
+      PostSpin();
+      return;
+    }
+    Wait();
+  }
+
   // False when the sink stopped us (closed the connection) meanwhile.
-  bool DrainToEmpty() {
+  bool DrainToEmpty(bool* any = nullptr) {
     Batch b;
     auto box = box_;
     while ((b.n = ibv_poll_cq(cq_, kBatch, b.wc.data())) > 0) {
+      if (any) *any = true;
       box->sink({b.wc.data(), static_cast<size_t>(b.n)});
       if (box->stopped) return false;
     }
     return true;
   }
 
+  using Clock = std::chrono::steady_clock;
   ibv_cq* cq_;
   ibv_comp_channel* channel_;
   asio::posix::stream_descriptor fd_;
   std::shared_ptr<SinkBox> box_;
   unsigned unacked_ = 0;
+  const Spin spin_;
+  const std::chrono::microseconds spin_for_;
+  Clock::time_point last_completion_{};
 };
 
 class ThreadPoller final : public Poller {
@@ -230,9 +285,13 @@ class ThreadPoller final : public Poller {
 
 absl::StatusOr<std::unique_ptr<Poller>> Poller::Start(PollMode mode, asio::any_io_executor ex,
                                                       ibv_cq* cq, ibv_comp_channel* channel, int cpu,
-                                                      std::chrono::microseconds spin, Sink sink) {
-  if (mode == PollMode::kEvent) {
-    auto p = std::make_unique<EventPoller>(std::move(ex), cq, channel, std::move(sink));
+                                                      std::chrono::microseconds spin, Sink sink,
+                                                      bool run_to_completion) {
+  if (mode == PollMode::kEvent || run_to_completion) {
+    const auto how = mode == PollMode::kEvent      ? EventPoller::Spin::kNone
+                     : mode == PollMode::kAdaptive ? EventPoller::Spin::kAdaptive
+                                                   : EventPoller::Spin::kBusy;
+    auto p = std::make_unique<EventPoller>(std::move(ex), cq, channel, how, spin, std::move(sink));
     if (auto st = p->Arm(); !st.ok()) return st;
     return std::unique_ptr<Poller>(std::move(p));
   }

@@ -26,10 +26,13 @@ class Poller {
   // Called on the executor with each batch of completions.
   using Sink = std::function<void(std::span<const ibv_wc>)>;
 
+  // run_to_completion (busy/adaptive): no thread; the executor's thread
+  // polls the CQ itself and handles completions where it polled them
+  // (RdmaOptions::run_to_completion). cpu is then unused.
   static absl::StatusOr<std::unique_ptr<Poller>> Start(PollMode mode, asio::any_io_executor ex,
                                                        ibv_cq* cq, ibv_comp_channel* channel,
                                                        int cpu, std::chrono::microseconds spin,
-                                                       Sink sink);
+                                                       Sink sink, bool run_to_completion = false);
   virtual ~Poller() = default;
   // Stops polling; joins the thread if there is one. Call on the executor.
   // The sink is not called after Stop() returns.

@@ -179,18 +179,19 @@ class RdmaConnectionImpl final : public std::enable_shared_from_this<RdmaConnect
       poller = (*group)->Add(ex_, cq_.get(), channel_.get(), std::move(sink));
     } else {
       int cpu = opt_.poller_cpu;
-      if (cpu < 0 && opt_.poll_mode != PollMode::kEvent) {
+      if (cpu < 0 && opt_.poll_mode != PollMode::kEvent && !opt_.run_to_completion) {
         auto cpus = LocalCpus(ctx_->device());
         cpu = cpus.empty() ? -1 : cpus[ctx_->NextPollerSlot() % cpus.size()];
       }
       poller = Poller::Start(opt_.poll_mode, ex_, cq_.get(), channel_.get(), cpu, opt_.adaptive_spin,
-                             std::move(sink));
+                             std::move(sink), opt_.run_to_completion);
     }
     if (!poller.ok()) return poller.status();
     poller_ = std::move(*poller);
     WatchCm();
     RDMARPC_LOG(kInfo, "rdma", "event=established peer=", peer_uri_, " device=", ctx_->device().name(),
-                " poll=", PollModeName(opt_.poll_mode), opt_.shared_pollers ? " (shared)" : "", " eager_limit=", eager_to_peer_,
+                " poll=", PollModeName(opt_.poll_mode),
+                opt_.shared_pollers ? " (shared)" : opt_.run_to_completion ? " (run to completion)" : "", " eager_limit=", eager_to_peer_,
                 " credits=", hello->recv_data);
     return absl::OkStatus();
   }
@@ -1119,6 +1120,10 @@ absl::Status CheckOptions(const RdmaOptions& o) {
     return absl::InvalidArgumentError(
         "shared_pollers needs poll mode busy or adaptive (event mode polls on the connection's executor, "
         "with no poller thread to share); set poll_mode or leave shared_pollers at 0");
+  if (o.shared_pollers > 0 && o.run_to_completion)
+    return absl::InvalidArgumentError(
+        "run_to_completion and shared_pollers exclude each other (run to completion polls on the connection's "
+        "own executor thread, shared pollers on threads of their own); pick one");
   if (o.shared_pollers > PollerGroup::kMaxSharedPollers)
     return absl::InvalidArgumentError(absl::StrCat("shared_pollers must be at most ", PollerGroup::kMaxSharedPollers,
                                                    ", got ", o.shared_pollers));

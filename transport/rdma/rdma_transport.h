@@ -63,6 +63,16 @@ struct RdmaOptions {
   // fanout to many subscribers. poller_cpu >= 0 pins them all to that core;
   // otherwise thread i goes to the i-th local core.
   unsigned shared_pollers = 0;
+  // Busy/adaptive only: run to completion. No poller thread: the thread that
+  // runs the connection's executor polls the CQ itself and handles each
+  // completion where it polled it, with no hand-off between threads and no
+  // syscall while traffic flows. After a completion it keeps polling from a
+  // task it re-posts after every pass (other handlers, timers and sockets run
+  // in between), forever in busy mode (that thread never sleeps while the
+  // connection lives: run the io_context on a core of its own), or for
+  // adaptive_spin after the last completion in adaptive mode, then it sleeps
+  // on the completion channel as in event mode. Not with shared_pollers.
+  bool run_to_completion = false;
   // RECVs kept posted for data frames: the peer's send window. 64 x 4 KiB
   // slots = 256 KiB registered per connection, enough to cover the
   // bandwidth-delay product of 100 Gb/s x 20 us.
