@@ -123,6 +123,12 @@ struct ConnectionStats {
   // that waited because holding them would pass the connection's cap.
   uint64_t rendezvous_bytes_held = 0;
   uint64_t rendezvous_deferred = 0;
+  // Large messages sent from memory registered for that message alone (above
+  // the send pool's largest class, 1 MiB, or the pool at its cap): each one
+  // paid an ibv_reg_mr. The rest were written into the connection's send pool,
+  // which holds send_pool_registered_bytes of registered slabs.
+  uint64_t rendezvous_send_registrations = 0;
+  uint64_t send_pool_registered_bytes = 0;
   uint64_t rnr_errors = 0;           // IBV_WC_RNR_RETRY_EXC_ERR seen: 0 by design.
   uint64_t wc_errors = 0;            // Non-success completions of any other kind.
   // The queue pair's state as the device reports it, 1 + ibv_qp_state:

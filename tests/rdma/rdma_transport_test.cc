@@ -227,6 +227,33 @@ TEST(RdmaTransportPollers, BusyPollerThreadsArePinnedToOneCore) {
   EXPECT_TRUE(PollerAffinities().empty()) << "poller threads must stop with their connection";
 }
 
+// Large sends are written into the connection's registered send pool: 40
+// messages of 256 KiB and 40 of 20 KiB each way register one slab per class
+// and side (2 MiB each), not one MR per message; a 2 MiB message (above the
+// largest class) registers memory of its own and the stats say so.
+TEST(RdmaTransportLimits, LargeSendsUseTheConnectionsRegisteredPool) {
+  auto ctx = OpenContext();
+  ASSERT_TRUE(ctx);
+  asio::io_context io;
+  Pair p = ConnectPair(io, ctx, RdmaOptions{});
+  ASSERT_TRUE(p.client && p.server);
+  EXPECT_EQ(p.client->stats().send_pool_registered_bytes, 0u) << "the pool starts with the first large send";
+  for (int i = 0; i < 40; ++i) {
+    ExpectDelivered(io, *p.client, *p.server, 256 << 10);
+    ExpectDelivered(io, *p.server, *p.client, 20 << 10);
+    ExpectDelivered(io, *p.client, *p.server, 20 << 10);
+    ExpectDelivered(io, *p.server, *p.client, 256 << 10);
+  }
+  for (Connection* c : {p.client.get(), p.server.get()}) {
+    EXPECT_EQ(c->stats().rendezvous_send_registrations, 0u);
+    EXPECT_EQ(c->stats().send_pool_registered_bytes, size_t{4} << 20) << "one 2 MiB slab for each of 2 classes";
+  }
+  ExpectDelivered(io, *p.client, *p.server, size_t{2} << 20);
+  EXPECT_EQ(p.client->stats().rendezvous_send_registrations, 1u);
+  p.client->Close();
+  p.server->Close();
+}
+
 // Shared pollers (RdmaOptions::shared_pollers): 8 connection pairs, 16 QPs,
 // polled by 2 threads in all, each pinned to one core and holding 8 CQs; every
 // connection carries eager and rendezvous traffic both ways; closing takes

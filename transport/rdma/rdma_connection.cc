@@ -19,6 +19,7 @@
 #include "transport/common/fifo.h"
 #include "transport/completion.h"
 #include "transport/rdma/access.h"
+#include "transport/rdma/buffer_pool.h"
 #include "transport/rdma/credits.h"
 #include "transport/rdma/poller.h"
 #include "transport/rdma/rdma_transport.h"
@@ -216,11 +217,26 @@ class RdmaConnectionImpl final : public std::enable_shared_from_this<RdmaConnect
       free_send_slots_.pop_back();
       return SendBuffer({SendSlot(slot) + wire::kHeaderSize, size}, this, MakeToken(kTokSendSlot, slot));
     }
-    auto large = AllocateLarge(size, access::kLocalOnly);
-    if (!large.ok()) return large.status();
+    LargeOut out;
+    if (auto pool = SendPool(); pool != nullptr && size <= pool->options().class_bytes.back()) {
+      if (auto b = pool->Acquire(size); b.ok()) {
+        out.data = b->data().data();
+        out.lkey = b->lkey();
+        out.pooled = std::move(*b);
+      }
+    }
+    if (!out.pooled) {  // Above the largest class, or the pool is at its cap.
+      auto large = AllocateLarge(size, access::kLocalOnly);
+      if (!large.ok()) return large.status();
+      out.data = large->memory.get();
+      out.lkey = large->mr->lkey;
+      out.own = std::move(*large);
+      ++stats_.rendezvous_send_registrations;
+    }
+    out.size = size;
     uint64_t id = next_large_out_++;
-    std::byte* data = large->memory.get();
-    large_out_.emplace(id, LargeOut{std::move(*large), {}, 0});
+    std::byte* data = out.data;
+    large_out_.emplace(id, std::move(out));
     return SendBuffer({data, size}, this, MakeToken(kTokLargeOut, id));
   }
 
@@ -283,6 +299,7 @@ class RdmaConnectionImpl final : public std::enable_shared_from_this<RdmaConnect
     s.credits_available = ledger_ ? ledger_->data_credits() : 0;
     s.grants_live = grants_.size();
     s.rendezvous_bytes_held = large_in_bytes_;
+    if (send_pool_) s.send_pool_registered_bytes = send_pool_->Stats().registered_bytes;
     if (ep_ && ep_->qp() != nullptr) {
       ibv_qp_attr attr{};
       ibv_qp_init_attr init{};
@@ -334,7 +351,12 @@ class RdmaConnectionImpl final : public std::enable_shared_from_this<RdmaConnect
     SendHandler handler;  // kData only.
   };
   struct LargeOut {
-    LargeBuffer buffer;
+    // From the context's send pool, or registered for this message alone.
+    Buffer pooled;
+    LargeBuffer own;
+    std::byte* data = nullptr;
+    size_t size = 0;
+    uint32_t lkey = 0;
     SendHandler handler;
     bool queued = false;
     wire::Grant grant{};
@@ -376,6 +398,31 @@ class RdmaConnectionImpl final : public std::enable_shared_from_this<RdmaConnect
 
   std::byte* SendSlot(uint32_t i) const { return slots_.get() + size_t{i} * slot_bytes_; }
   std::byte* RecvSlot(uint32_t i) const { return slots_.get() + size_t{send_slots_ + i} * slot_bytes_; }
+
+  // Registered, NUMA-local memory that outgoing rendezvous messages are
+  // written into, so a large send registers nothing once the connection is
+  // warm: local access only (a peer can never write it), classes 16 KiB to
+  // 1 MiB, one slab registered per class on first use (8 buffers or 2 MiB,
+  // whichever is more), at most 64 MiB pinned. It is the connection's, freed
+  // with it (`rdma res` counts go back to baseline on close). Null when it
+  // cannot be had: sends then register memory per message.
+  BufferPool* SendPool() {
+    if (!send_pool_ && !send_pool_failed_) {
+      BufferPoolOptions o;
+      o.class_bytes = {16 << 10, 64 << 10, 256 << 10, 1 << 20};
+      o.max_registered_bytes = size_t{64} << 20;
+      o.access = access::kLocalOnly;
+      o.thread_cache_buffers = 0;  // One executor uses it: no per-thread caches to strand.
+      auto pool = BufferPool::CreateForDevice(ctx_->device(), o);
+      if (pool.ok()) {
+        send_pool_ = std::move(*pool);
+      } else {
+        send_pool_failed_ = true;
+        RDMARPC_LOG(kWarn, "rdma", "event=send_pool_unavailable peer=", peer_uri_, " error=", pool.status().ToString());
+      }
+    }
+    return send_pool_.get();
+  }
 
   absl::StatusOr<LargeBuffer> AllocateLarge(size_t size, int access) {
     LargeBuffer b;
@@ -495,9 +542,9 @@ class RdmaConnectionImpl final : public std::enable_shared_from_this<RdmaConnect
       return true;
     }
     LargeOut& out = large_out_.at(op.id);
-    const size_t chunks = (out.buffer.size + max_write_chunk_ - 1) / max_write_chunk_;
+    const size_t chunks = (out.size + max_write_chunk_ - 1) / max_write_chunk_;
     if (chunks > 255 || chunks > opt_.send_depth) {
-      st = absl::InvalidArgumentError(absl::StrCat("a ", out.buffer.size, "-byte message needs ", chunks,
+      st = absl::InvalidArgumentError(absl::StrCat("a ", out.size, "-byte message needs ", chunks,
                                                    " RDMA WRITE chunks; at most min(255, send_depth=",
                                                    opt_.send_depth, ") fit"));
       return true;
@@ -513,9 +560,8 @@ class RdmaConnectionImpl final : public std::enable_shared_from_this<RdmaConnect
     std::vector<ibv_send_wr> wrs(chunks);
     for (size_t i = 0; i < chunks; ++i) {
       const size_t off = i * max_write_chunk_;
-      const size_t len = std::min(max_write_chunk_, out.buffer.size - off);
-      sges[i] = {reinterpret_cast<uint64_t>(out.buffer.memory.get() + off), static_cast<uint32_t>(len),
-                 out.buffer.mr->lkey};
+      const size_t len = std::min(max_write_chunk_, out.size - off);
+      sges[i] = {reinterpret_cast<uint64_t>(out.data + off), static_cast<uint32_t>(len), out.lkey};
       ibv_send_wr& wr = wrs[i];
       wr.sg_list = &sges[i];
       wr.num_sge = 1;
@@ -537,7 +583,7 @@ class RdmaConnectionImpl final : public std::enable_shared_from_this<RdmaConnect
       return ErrnoStatus(rc, "ibv_post_send(RDMA WRITE)");
     sq_used_ += chunks;
     stats_.wr_posted += chunks;
-    stats_.rendezvous_bytes += out.buffer.size;
+    stats_.rendezvous_bytes += out.size;
     return absl::OkStatus();
   }
 
@@ -647,7 +693,7 @@ class RdmaConnectionImpl final : public std::enable_shared_from_this<RdmaConnect
     auto g = wire::DecodeGrant({RecvSlot(slot) + wire::kHeaderSize, wire::kGrantSize});
     RepostAfterControl(slot, CreditLedger::Kind::kCtrl);
     auto it = large_out_.find(h.cookie);
-    if (!g.ok() || it == large_out_.end() || !it->second.queued || it->second.buffer.size != h.length) {
+    if (!g.ok() || it == large_out_.end() || !it->second.queued || it->second.size != h.length) {
       Fail(absl::DataLossError(absl::StrCat("peer granted ", h.length, " bytes for unknown message #", h.cookie)));
       return;
     }
@@ -870,6 +916,9 @@ class RdmaConnectionImpl final : public std::enable_shared_from_this<RdmaConnect
   std::vector<SendHandler> slot_handlers_;  // By send slot: whom to tell when its SEND completes.
   transport::Fifo<PendingOp> pending_;  // DATA and RTS, in message order.
   transport::Fifo<PendingOp> control_;  // CTS and WRITE: rendezvous progress, first.
+  // Before large_out_: its buffers go back to the pool before the pool goes.
+  std::unique_ptr<BufferPool> send_pool_;
+  bool send_pool_failed_ = false;
   std::map<uint64_t, LargeOut> large_out_;
   std::map<uint64_t, LargeIn> large_in_;
   std::map<uint32_t, uint64_t> grants_;  // Live grant id -> large_in_ key.
