@@ -25,7 +25,7 @@ constexpr char kUsage[] =
     "usage: rdmarpc_bench [--transport=rdma,tcp,grpc] [--size=64,4096,65536,1048576]\n"
     "                     [--concurrency=1,32] [--mode=closed|open] [--rate=CALLS_PER_S]\n"
     "                     [--warmup=MS] [--duration=MS] [--device=NAME] [--ip=ADDR]\n"
-    "                     [--poll=busy|adaptive|event] [--spin] [--json] [--no-progress]\n"
+    "                     [--poll=busy|adaptive|event] [--rtc] [--spin] [--json] [--no-progress]\n"
     "                     [--with-perftest] [--alloc-trace=N]\n"
     "                     [--role=both|server|client] [--server=HOST] [--port=7470]\n"
     "\n"
@@ -37,7 +37,9 @@ constexpr char kUsage[] =
     "concurrency. Closed loop: N calls in flight, each reissued when it completes. Open loop:\n"
     "calls due at --rate per second over N slots, latency measured from the due time.\n"
     "CPU and allocations are those of the whole process (client and server share it).\n"
-    "rdma needs --device/--ip, or RXE_VM_DEV/RXE_VM_SELF_IP (set inside tools/rxe-vm).\n";
+    "rdma needs --device/--ip, or RXE_VM_DEV/RXE_VM_SELF_IP (set inside tools/rxe-vm).\n"
+    "--rtc: rdma pollers run to completion (busy/adaptive): the event loop's thread polls\n"
+    "the CQ, no poller thread.\n";
 
 [[noreturn]] void Usage(const std::string& why) {
   if (why != "help") std::fprintf(stderr, "rdmarpc_bench: %s\n", why.c_str());
@@ -104,6 +106,8 @@ Flags ParseFlags(int argc, char** argv) {
       f.poll = val;
     } else if (key == "--spin") {
       f.spin = true;
+    } else if (key == "--rtc") {
+      f.rtc = true;
     } else if (key == "--json") {
       f.json = true;
     } else if (key == "--no-progress") {

@@ -47,6 +47,7 @@ struct Flags {
   std::string device, ip;
   std::string poll = "event";
   bool spin = false;       // Poll the io_contexts instead of sleeping in epoll (rdmarpc rows).
+  bool rtc = false;        // RdmaOptions::run_to_completion (busy/adaptive).
   bool json = false;
   bool perftest = false;
   bool progress = true;

@@ -95,6 +95,7 @@ TransportOptions MakeOptions(const Flags& f, const std::shared_ptr<rdma::RdmaCon
   TransportOptions o;
   o.rdma_context = ctx;
   o.rdma.poll_mode = *rdma::ParsePollMode(f.poll);
+  o.rdma.run_to_completion = f.rtc;
   return o;
 }
 
@@ -239,7 +240,7 @@ absl::Status RunRdmarpc(const Flags& f, const std::string& transport, const std:
   }
 
   rdmarpc::bench::Echo::Stub stub(*channel);
-  const std::string poll = transport == "rdma" ? f.poll : "-";
+  const std::string poll = transport == "rdma" ? f.poll + (f.rtc ? "+rtc" : "") : "-";
   for (size_t size : f.sizes) {
     for (int conc : f.concurrency) {
       struct Slot {
