@@ -351,7 +351,7 @@ class RdmaConnectionImpl final : public std::enable_shared_from_this<RdmaConnect
     SendHandler handler;  // kData only.
   };
   struct LargeOut {
-    // From the context's send pool, or registered for this message alone.
+    // From the connection's send pool, or registered for this message alone.
     Buffer pooled;
     LargeBuffer own;
     std::byte* data = nullptr;
