@@ -58,6 +58,18 @@ void Deliver(const asio::any_io_executor& ex, const std::shared_ptr<SinkBox>& bo
   });
 }
 
+// Drains `cq` to empty, handing each batch to the sink on `ex`; true when
+// anything was there. For the poller threads (per QP and shared).
+bool DrainTo(ibv_cq* cq, const asio::any_io_executor& ex, const std::shared_ptr<SinkBox>& box) {
+  bool any = false;
+  Batch b;
+  while ((b.n = ibv_poll_cq(cq, kBatch, b.wc.data())) > 0) {
+    Deliver(ex, box, b);
+    any = true;
+  }
+  return any;
+}
+
 void PinThread(std::thread& t, int cpu) {
   if (cpu < 0) return;
   cpu_set_t set;
@@ -227,15 +239,7 @@ class ThreadPoller final : public Poller {
 
  private:
   // Returns true when at least one completion was delivered.
-  bool Drain() {
-    bool any = false;
-    Batch b;
-    while ((b.n = ibv_poll_cq(cq_, kBatch, b.wc.data())) > 0) {
-      Deliver(ex_, box_, b);
-      any = true;
-    }
-    return any;
-  }
+  bool Drain() { return DrainTo(cq_, ex_, box_); }
 
   void Loop() {
     using Clock = std::chrono::steady_clock;
@@ -372,13 +376,7 @@ class PollerGroup::Worker {
   // Every member's CQ to empty. Under the lock.
   bool DrainAll() {
     bool any = false;
-    Batch b;
-    for (Member* m : members_) {
-      while ((b.n = ibv_poll_cq(m->cq, kBatch, b.wc.data())) > 0) {
-        Deliver(m->ex, m->box, b);
-        any = true;
-      }
-    }
+    for (Member* m : members_) any |= DrainTo(m->cq, m->ex, m->box);
     return any;
   }
 
@@ -451,7 +449,7 @@ class PollerGroup::Worker {
   static constexpr uint32_t kPollsPerYield = 256;
   const PollMode mode_;
   const std::chrono::microseconds spin_;
-  mutable std::mutex mu_;
+  std::mutex mu_;
   std::vector<Member*> members_;  // Under mu_.
   uint64_t generation_ = 0;       // Under mu_; bumped on every Add/Remove.
   std::atomic<size_t> load_{0};
