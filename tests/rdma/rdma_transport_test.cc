@@ -254,6 +254,131 @@ TEST(RdmaTransportLimits, LargeSendsUseTheConnectionsRegisteredPool) {
   p.server->Close();
 }
 
+// An eager limit above the device's largest message (max_msg_sz; rxe: 8 MiB)
+// is cut down to it: a message between the two goes by rendezvous instead of
+// as one SEND longer than the device advertises (rxe happens to carry it; a
+// NIC that enforces its limit fails the WR, and so the connection), and one
+// just under the device's limit still goes eagerly. Without the bound the
+// first message went as one SEND (checked: rendezvous_bytes was 0).
+TEST(RdmaTransportLimits, EagerLimitIsBoundedByTheDevicesLargestMessage) {
+  auto ctx = OpenContext();
+  ASSERT_TRUE(ctx);
+  const size_t dev_max = ctx->device().port().attr.max_msg_sz;
+  if (dev_max >= (size_t{64} << 20)) GTEST_SKIP() << ctx->device().name() << " takes messages of " << dev_max << " bytes";
+  asio::io_context io;
+  RdmaOptions opt;
+  opt.eager_limit = dev_max * 2;
+  opt.recv_depth = 2;  // Few slots: each is as large as the device's largest message.
+  opt.ctrl_depth = 3;
+  opt.send_depth = 2;
+  Pair p = ConnectPair(io, ctx, opt);
+  ASSERT_TRUE(p.client && p.server);
+  ExpectDelivered(io, *p.client, *p.server, dev_max + 4096);
+  EXPECT_EQ(p.client->stats().rendezvous_bytes, dev_max + 4096) << "above the device's limit: rendezvous";
+  ExpectDelivered(io, *p.client, *p.server, dev_max - 4096);
+  EXPECT_EQ(p.client->stats().eager_bytes, dev_max - 4096) << "below it: still one SEND";
+  EXPECT_EQ(p.client->stats().wc_errors, 0u);
+  p.client->Close();
+  p.server->Close();
+  io.poll();
+}
+
+// Zero-copy sends of the application's registered Buffers (SendRegistered):
+// every size, eager (header slot + the buffer, gathered) and rendezvous (RDMA
+// WRITE from the buffer), arrives intact; the connection holds the buffer
+// while the send is in flight and lets go when it completes; one buffer goes
+// out three times at once; and no byte went through the connection's send
+// pool or a per-message registration -- where a copying send would have put
+// the large ones.
+TEST(RdmaTransportZeroCopy, RegisteredBuffersGoOutWithoutACopy) {
+  auto ctx = OpenContext();
+  ASSERT_TRUE(ctx);
+  asio::io_context io;
+  Pair p = ConnectPair(io, ctx, RdmaOptions{});
+  ASSERT_TRUE(p.client && p.server);
+  BufferPoolOptions po;
+  po.class_bytes = {256, 4 << 10, 64 << 10, 1 << 20, 4 << 20};
+  auto pool = BufferPool::CreateForDevice(ctx->device(), po);
+  ASSERT_TRUE(pool.ok()) << pool.status();
+  const size_t eager = RdmaOptions{}.eager_limit;
+  for (size_t size : {size_t{0}, size_t{1}, size_t{64}, size_t{200}, eager - 1, eager, eager + 1,
+                      size_t{65536}, size_t{1} << 20, size_t{3} << 20}) {
+    SCOPED_TRACE(size);
+    auto b = (*pool)->Acquire(size);
+    ASSERT_TRUE(b.ok()) << b.status();
+    for (size_t i = 0; i < size; ++i) b->data()[i] = std::byte(PatternByte(size, i));
+    auto shared = std::make_shared<const Buffer>(std::move(*b));
+    const int copies = size == 200 || size == (size_t{1} << 20) ? 3 : 1;
+    int sent = 0, received = 0;
+    for (int c = 0; c < copies; ++c) {
+      SendRegistered(*p.client, shared, [&](absl::Status st) {
+        EXPECT_TRUE(st.ok()) << st;
+        ++sent;
+      });
+    }
+    EXPECT_EQ(shared.use_count(), 1 + copies) << "the connection holds the buffer, not a copy of it";
+    for (int c = 0; c < copies; ++c) {
+      p.server->Receive([&](absl::StatusOr<Message> m) {
+        ASSERT_TRUE(m.ok()) << m.status();
+        ASSERT_EQ(m->size(), size);
+        size_t bad = 0;
+        for (size_t i = 0; i < size; ++i) bad += m->data()[i] != std::byte(PatternByte(size, i));
+        EXPECT_EQ(bad, 0u);
+        ++received;
+      });
+    }
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+    while ((sent < copies || received < copies) && std::chrono::steady_clock::now() < deadline)
+      io.run_one_for(std::chrono::milliseconds(100));
+    EXPECT_EQ(sent, copies);
+    EXPECT_EQ(received, copies);
+    EXPECT_EQ(shared.use_count(), 1) << "released once every send completed";
+  }
+  auto st = p.client->stats();
+  EXPECT_EQ(st.send_pool_registered_bytes, 0u) << "large sends must go from the caller's buffer, not the send pool";
+  EXPECT_EQ(st.rendezvous_send_registrations, 0u);
+  EXPECT_GT(st.rendezvous_bytes, size_t{3} << 20);
+  // Still an ordinary connection: a prepared send works after them.
+  ExpectDelivered(io, *p.client, *p.server, 100);
+  p.client->Close();
+  p.server->Close();
+  io.poll();
+}
+
+// A Buffer registered in another protection domain (a pool made for another
+// RdmaContext) is refused with the reason, and the connection is unharmed:
+// posting it would have failed the whole connection with a local protection
+// error.
+TEST(RdmaTransportZeroCopy, BufferOfAnotherProtectionDomainIsRefused) {
+  auto ctx = OpenContext();
+  auto other = OpenContext();
+  ASSERT_TRUE(ctx && other);
+  ASSERT_NE(ctx->device().pd(), other->device().pd());
+  asio::io_context io;
+  Pair p = ConnectPair(io, ctx, RdmaOptions{});
+  ASSERT_TRUE(p.client && p.server);
+  auto pool = BufferPool::CreateForDevice(other->device(), BufferPoolOptions{});
+  ASSERT_TRUE(pool.ok()) << pool.status();
+  for (size_t size : {size_t{64}, size_t{1} << 20}) {
+    auto b = (*pool)->Acquire(size);
+    ASSERT_TRUE(b.ok()) << b.status();
+    absl::Status result = absl::UnknownError("pending");
+    SendRegistered(*p.client, std::make_shared<const Buffer>(std::move(*b)), [&](absl::Status s) { result = s; });
+    while (result.code() == absl::StatusCode::kUnknown) io.run_one_for(std::chrono::milliseconds(100));
+    EXPECT_EQ(result.code(), absl::StatusCode::kInvalidArgument) << result;
+    EXPECT_NE(result.message().find("protection domain"), std::string::npos) << result;
+  }
+  absl::Status empty = absl::UnknownError("pending");
+  SendRegistered(*p.client, nullptr, [&](absl::Status s) { empty = s; });
+  while (empty.code() == absl::StatusCode::kUnknown) io.run_one_for(std::chrono::milliseconds(100));
+  EXPECT_EQ(empty.code(), absl::StatusCode::kInvalidArgument) << empty;
+  ExpectDelivered(io, *p.client, *p.server, 64);
+  EXPECT_EQ(p.client->stats().wc_errors, 0u);
+  p.client->Close();
+  p.server->Close();
+  io.poll();
+}
+
 // Shared pollers (RdmaOptions::shared_pollers): 8 connection pairs, 16 QPs,
 // polled by 2 threads in all, each pinned to one core and holding 8 CQs; every
 // connection carries eager and rendezvous traffic both ways; closing takes

@@ -27,6 +27,8 @@
 #include <gtest/gtest.h>
 
 #include "absl/strings/str_cat.h"
+#include "transport/rdma/buffer_pool.h"
+#include "transport/rdma/rdma_transport.h"
 #include "transport/tcp/tcp_transport.h"
 #include "transport/uri.h"
 
@@ -455,6 +457,35 @@ TEST_F(TcpTransportTest, ConnectFailuresAreStatuses) {
 // A per-size free list: what an application that cares about allocations
 // associates with its handlers (Asio's "allocation" example, generalised to
 // the few sizes a connection's handlers need).
+// rdma::SendRegistered on a TCP connection: the same application code runs
+// on both transports; TCP copies the Buffer's bytes into its own send memory,
+// so the buffer is free again as soon as the call returns.
+TEST_F(TcpTransportTest, SendRegisteredFallsBackToACopyOverTcp) {
+  auto listener = MustListen();
+  ASSERT_NE(listener, nullptr);
+  auto [client, server] = ConnectPair(*listener);
+  ASSERT_NE(client, nullptr);
+  auto pool = rdma::BufferPool::Create(std::make_unique<rdma::HeapSlabProvider>(), rdma::BufferPoolOptions{});
+  ASSERT_TRUE(pool.ok()) << pool.status();
+  auto b = (*pool)->Acquire(5);
+  ASSERT_TRUE(b.ok()) << b.status();
+  std::memcpy(b->data().data(), "hello", 5);
+  auto shared = std::make_shared<const rdma::Buffer>(std::move(*b));
+  std::optional<absl::Status> sent;
+  rdma::SendRegistered(*client, shared, [&](absl::Status st) { sent = st; });
+  EXPECT_EQ(shared.use_count(), 1) << "TCP copied the bytes; it holds no reference";
+  auto got = ReceiveAndWait(*server);
+  ASSERT_TRUE(got.ok()) << got.status();
+  EXPECT_EQ(*got, "hello");
+  ASSERT_TRUE(RunUntil([&] { return sent.has_value(); }));
+  EXPECT_TRUE(sent->ok()) << *sent;
+  std::optional<absl::Status> empty;
+  rdma::SendRegistered(*client, nullptr, [&](absl::Status st) { empty = st; });
+  ASSERT_TRUE(RunUntil([&] { return empty.has_value(); }));
+  EXPECT_EQ(empty->code(), absl::StatusCode::kInvalidArgument) << *empty;
+  ExpectWorks(*client, *server, "after registered sends");
+}
+
 class HandlerArena {
  public:
   HandlerArena() = default;

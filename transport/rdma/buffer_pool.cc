@@ -133,6 +133,8 @@ absl::StatusOr<Slab> VerbsSlabProvider::Allocate(size_t bytes, int access) {
   return slab;
 }
 
+const void* VerbsSlabProvider::protection_domain() const { return device_->pd(); }
+
 void VerbsSlabProvider::Free(const Slab& slab) noexcept {
   auto it = mappings_.find(slab.base);
   if (it == mappings_.end()) {
@@ -182,6 +184,7 @@ struct PoolCore : std::enable_shared_from_this<PoolCore> {
 
   const std::vector<ClassInfo> classes;
   const uint32_t cache_slots;  // Sum of cache_cap over classes.
+  const void* domain = nullptr;  // The provider's protection_domain(); set once at Create.
   const std::unique_ptr<InUseCounter[]> in_use;
 
   std::mutex mu;
@@ -415,6 +418,7 @@ absl::StatusOr<std::unique_ptr<BufferPool>> BufferPool::Create(
   }
 
   auto core = std::make_shared<detail::PoolCore>(std::move(classes), cache_slots);
+  core->domain = provider->protection_domain();
   std::unique_ptr<BufferPool> pool(new BufferPool(std::move(provider), std::move(options), core));
   std::lock_guard<std::mutex> lock(core->mu);
   for (uint32_t c = 0; c < core->classes.size(); ++c) {
@@ -424,6 +428,8 @@ absl::StatusOr<std::unique_ptr<BufferPool>> BufferPool::Create(
   }
   return pool;
 }
+
+const void* Buffer::protection_domain() const { return core_ != nullptr ? core_->domain : nullptr; }
 
 absl::StatusOr<std::unique_ptr<BufferPool>> BufferPool::CreateForDevice(const Device& device,
                                                                         BufferPoolOptions options) {

@@ -96,6 +96,10 @@ class SlabProvider {
   virtual void Free(const Slab& slab) noexcept = 0;
   // The node slabs are placed on; -1 when there is no placement.
   virtual int numa_node() const { return -1; }
+  // The protection domain slabs are registered in (an ibv_pd*), so a user of
+  // a Buffer can check it belongs to the PD it will post with; null when the
+  // memory is registered nowhere.
+  virtual const void* protection_domain() const { return nullptr; }
 };
 
 // Page-aligned heap memory with made-up keys: each slab's lkey == rkey == its
@@ -140,6 +144,7 @@ class VerbsSlabProvider final : public SlabProvider {
   absl::StatusOr<Slab> Allocate(size_t bytes, int access) override;
   void Free(const Slab& slab) noexcept override;
   int numa_node() const override { return numa_node_; }
+  const void* protection_domain() const override;
 
  private:
   struct Mapping {
@@ -251,6 +256,9 @@ class Buffer {
   uint32_t rkey() const { return rkey_; }
   uint64_t addr() const { return reinterpret_cast<uintptr_t>(data_); }
   explicit operator bool() const { return core_ != nullptr; }
+  // The ibv_pd* the buffer's slab is registered in (SlabProvider::
+  // protection_domain()); null for an empty handle or unregistered memory.
+  const void* protection_domain() const;
 
   // Gives the buffer back now; the handle becomes empty.
   void Reset() noexcept {

@@ -61,6 +61,7 @@ constexpr uint32_t kControlSlots = 4;
 
 // Slot stride: header + payload rounded to a cache line, so slots never share one.
 size_t RoundUp(size_t v, size_t to) { return (v + to - 1) / to * to; }
+size_t RoundDown(size_t v, size_t to) { return v / to * to; }
 
 // Memory registered for one large message: an exact-size MR, so a grant's
 // rkey covers exactly the granted bytes and dies with the deregistration.
@@ -92,8 +93,18 @@ class RdmaConnectionImpl final : public std::enable_shared_from_this<RdmaConnect
       return absl::InvalidArgumentError("RdmaOptions: recv_depth >= 2, ctrl_depth >= 3, send_depth >= 2");
     if (opt_.eager_limit > (size_t{1} << 30))
       return absl::InvalidArgumentError("RdmaOptions: eager_limit above 1 GiB");
+    // One SEND carries an eager message: the device's largest message
+    // (max_msg_sz; rxe: 8 MiB) bounds it. Past it a NIC that enforces its
+    // limit fails the WR and with it the connection.
+    eager_limit_ = opt_.eager_limit;
+    if (const size_t dev_max = dev.port().attr.max_msg_sz; dev_max > wire::kHeaderSize &&
+                                                            eager_limit_ > dev_max - wire::kHeaderSize) {
+      eager_limit_ = RoundDown(dev_max - wire::kHeaderSize, 64);
+      RDMARPC_LOG(kInfo, "rdma", "event=eager_limit_clamped device=", dev.name(), " max_msg_sz=", dev_max,
+                  " eager_limit=", eager_limit_);
+    }
     // The smallest slot must hold a CTS (header + grant).
-    slot_bytes_ = RoundUp(wire::kHeaderSize + std::max(opt_.eager_limit, wire::kGrantSize), 64);
+    slot_bytes_ = RoundUp(wire::kHeaderSize + std::max(eager_limit_, wire::kGrantSize), 64);
     // Twice the SQ depth: messages prepared while the SQ is full (or while
     // waiting for credits) need somewhere to wait that is not the caller.
     send_slots_ = 2u * opt_.send_depth + kControlSlots;
@@ -127,7 +138,9 @@ class RdmaConnectionImpl final : public std::enable_shared_from_this<RdmaConnect
     attr.recv_cq = cq_.get();
     attr.cap.max_send_wr = opt_.send_depth;
     attr.cap.max_recv_wr = recv_slots_;
-    attr.cap.max_send_sge = 1;
+    // Two: a registered Buffer goes out as header (from a send slot) + the
+    // application's bytes, gathered by the NIC (SendRegistered).
+    attr.cap.max_send_sge = 2;
     attr.cap.max_recv_sge = 1;
     // Header + a small message inline saves the NIC a DMA read of the slot.
     attr.cap.max_inline_data = 64 + wire::kHeaderSize;
@@ -139,6 +152,7 @@ class RdmaConnectionImpl final : public std::enable_shared_from_this<RdmaConnect
 
     for (uint32_t i = 0; i < send_slots_; ++i) free_send_slots_.push_back(i);
     slot_handlers_.resize(send_slots_);
+    slot_lent_.resize(send_slots_);
     for (uint32_t i = 0; i < recv_slots_; ++i)
       if (auto st = PostRecv(i); !st.ok()) return st;
     return absl::OkStatus();
@@ -167,7 +181,7 @@ class RdmaConnectionImpl final : public std::enable_shared_from_this<RdmaConnect
     peer_uri_ = std::move(peer_uri);
     ledger_.emplace(hello->recv_data, hello->recv_ctrl, opt_.recv_depth, opt_.ctrl_depth);
     peer_max_message_ = hello->max_message;
-    eager_to_peer_ = std::min<size_t>(opt_.eager_limit, hello->recv_slot_bytes - wire::kHeaderSize);
+    eager_to_peer_ = std::min<size_t>(eager_limit_, hello->recv_slot_bytes - wire::kHeaderSize);
 
     std::weak_ptr<RdmaConnectionImpl> weak = weak_from_this();
     Poller::Sink sink = [weak](std::span<const ibv_wc> wcs) {
@@ -235,9 +249,54 @@ class RdmaConnectionImpl final : public std::enable_shared_from_this<RdmaConnect
     }
     out.size = size;
     uint64_t id = next_large_out_++;
-    std::byte* data = out.data;
+    std::byte* data = out.pooled ? out.pooled.data().data() : out.own.memory.get();
     large_out_.emplace(id, std::move(out));
     return SendBuffer({data, size}, this, MakeToken(kTokLargeOut, id));
+  }
+
+  // Zero-copy send of the application's registered bytes: header from a send
+  // slot and payload from `buffer`, gathered by one SEND (eager), or RDMA
+  // WRITE straight from `buffer` after the peer's grant (rendezvous). The
+  // connection keeps `buffer` until the send completes (or until it is
+  // destroyed, after a failure).
+  void SendRegistered(std::shared_ptr<const Buffer> buffer, SendHandler handler) {
+    absl::Status st;
+    if (buffer == nullptr || !*buffer) {
+      st = absl::InvalidArgumentError("SendRegistered: empty Buffer");
+    } else if (buffer->protection_domain() != ctx_->device().pd()) {
+      st = absl::InvalidArgumentError(absl::StrCat(
+          "SendRegistered: the Buffer's memory is not registered in this connection's protection domain (",
+          ctx_->device().name(), "); take it from a BufferPool made with BufferPool::CreateForDevice on the "
+          "device of the RdmaContext this connection was made with"));
+    } else if (buffer->size() > max_message_size()) {
+      st = absl::InvalidArgumentError(absl::StrCat("message of ", buffer->size(), " bytes exceeds the limit of ",
+                                                   max_message_size(), " bytes on this connection"));
+    } else if (!error_.ok()) {
+      st = error_;
+    }
+    if (!st.ok()) {
+      transport::PostCompletion(ex_, std::move(handler), std::move(st));
+      return;
+    }
+    const size_t size = buffer->size();
+    LargeOut out;
+    out.data = buffer->data().data();
+    out.size = size;
+    out.lkey = buffer->lkey();
+    out.lent = std::move(buffer);
+    const uint64_t id = next_large_out_++;
+    if (size <= eager_to_peer_) {
+      large_out_.emplace(id, std::move(out));
+      pending_.push_back({Op::kDataLent, 0, size, id, std::move(handler)});
+    } else {
+      out.handler.swap(handler);
+      out.queued = true;
+      large_out_.emplace(id, std::move(out));
+      pending_.push_back({Op::kRts, 0, size, id, {}});
+    }
+    ++stats_.messages_sent;
+    stats_.bytes_sent += size;
+    Pump();
   }
 
   void Send(SendBuffer buffer, SendHandler handler) {
@@ -342,19 +401,21 @@ class RdmaConnectionImpl final : public std::enable_shared_from_this<RdmaConnect
   }
 
  private:
-  enum class Op { kData, kRts, kCts, kWrite };
+  enum class Op { kData, kDataLent, kRts, kCts, kWrite };
   struct PendingOp {
     Op op;
     uint32_t slot;      // kData: the send slot holding header room + payload; kCts: the peer's cookie.
-    size_t size;        // kData: payload bytes; kRts: message bytes.
-    uint64_t id;        // kRts/kWrite: large_out_ key; kCts: large_in_ key.
-    SendHandler handler;  // kData only.
+    size_t size;        // kData/kDataLent: payload bytes; kRts: message bytes.
+    uint64_t id;        // kDataLent/kRts/kWrite: large_out_ key; kCts: large_in_ key.
+    SendHandler handler;  // kData and kDataLent only.
   };
   struct LargeOut {
-    // From the connection's send pool, or registered for this message alone.
+    // From the connection's send pool, registered for this message alone, or
+    // the application's own registered Buffer (SendRegistered, eager or not).
     Buffer pooled;
     LargeBuffer own;
-    std::byte* data = nullptr;
+    std::shared_ptr<const Buffer> lent;
+    const std::byte* data = nullptr;
     size_t size = 0;
     uint32_t lkey = 0;
     SendHandler handler;
@@ -472,6 +533,25 @@ class RdmaConnectionImpl final : public std::enable_shared_from_this<RdmaConnect
     return absl::OkStatus();
   }
 
+  // Posts one SEND gathering `slot`'s header and `bytes` of the application's
+  // registered memory at `data` (SendRegistered): no copy unless inline.
+  absl::Status PostSendGather(uint32_t slot, const std::byte* data, size_t bytes, uint32_t lkey) {
+    ibv_sge sge[2] = {{reinterpret_cast<uint64_t>(SendSlot(slot)), static_cast<uint32_t>(wire::kHeaderSize),
+                       slots_mr_->lkey},
+                      {reinterpret_cast<uint64_t>(data), static_cast<uint32_t>(bytes), lkey}};
+    ibv_send_wr wr{};
+    wr.wr_id = MakeWrId(kWrSend, 1, slot);
+    wr.sg_list = sge;
+    wr.num_sge = bytes == 0 ? 1 : 2;
+    wr.opcode = IBV_WR_SEND;
+    wr.send_flags = IBV_SEND_SIGNALED | (wire::kHeaderSize + bytes <= max_inline_ ? IBV_SEND_INLINE : 0);
+    ibv_send_wr* bad = nullptr;
+    if (int rc = ibv_post_send(ep_->qp(), &wr, &bad); rc != 0) return ErrnoStatus(rc, "ibv_post_send(SEND, gather)");
+    ++sq_used_;
+    ++stats_.wr_posted;
+    return absl::OkStatus();
+  }
+
   // Sends a header-only or header+grant control frame in a fresh slot.
   absl::Status SendControl(wire::Header h, const wire::Grant* grant) {
     uint32_t slot = free_send_slots_.back();
@@ -518,6 +598,20 @@ class RdmaConnectionImpl final : public std::enable_shared_from_this<RdmaConnect
         slot_handlers_[op.slot].swap(op.handler);  // Never move-assign: see kNoHandlerAssign.
         stats_.eager_bytes += op.size;
         st = PostSend(op.slot, wire::kHeaderSize + op.size);
+      } else if (op.op == Op::kDataLent) {
+        // A slot for the header only; the payload stays in the caller's Buffer.
+        if (sq_used_ >= opt_.send_depth || free_send_slots_.size() <= kControlSlots) break;
+        ledger_->ConsumeData();
+        const uint32_t slot = free_send_slots_.back();
+        free_send_slots_.pop_back();
+        auto owed = ledger_->TakeOwed();
+        wire::EncodeHeader({wire::Type::kData, owed.data, owed.ctrl, static_cast<uint32_t>(op.size), 0},
+                           SendSlot(slot));
+        slot_handlers_[slot].swap(op.handler);
+        slot_lent_[slot] = op.id;
+        stats_.eager_bytes += op.size;
+        const LargeOut& out = large_out_.at(op.id);
+        st = PostSendGather(slot, out.data, op.size, out.lkey);
       } else {  // kRts: ordered with DATA, so it shares their queue and credits.
         if (sq_used_ >= opt_.send_depth || free_send_slots_.empty()) break;
         ledger_->ConsumeData();
@@ -783,6 +877,7 @@ class RdmaConnectionImpl final : public std::enable_shared_from_this<RdmaConnect
           sq_used_ -= WrCovered(wc.wr_id);
           const uint32_t slot = static_cast<uint32_t>(WrIndex(wc.wr_id));
           free_send_slots_.push_back(slot);
+          if (slot_lent_[slot] != 0) large_out_.erase(std::exchange(slot_lent_[slot], 0));
           if (slot_handlers_[slot]) done_sends_.push_back(std::move(slot_handlers_[slot]));
           break;
         }
@@ -905,6 +1000,7 @@ class RdmaConnectionImpl final : public std::enable_shared_from_this<RdmaConnect
   uint32_t send_slots_ = 0, recv_slots_ = 0;
   uint32_t max_inline_ = 0;
   size_t max_write_chunk_ = 0;
+  size_t eager_limit_ = 0;  // opt_.eager_limit within the device's max message.
   size_t eager_to_peer_ = 0;
   uint64_t peer_max_message_ = 0;
   std::string peer_uri_;
@@ -914,6 +1010,7 @@ class RdmaConnectionImpl final : public std::enable_shared_from_this<RdmaConnect
   bool waiting_for_credit_ = false;
   std::vector<uint32_t> free_send_slots_;
   std::vector<SendHandler> slot_handlers_;  // By send slot: whom to tell when its SEND completes.
+  std::vector<uint64_t> slot_lent_;  // By send slot: the large_out_ key of a lent Buffer it gathers, or 0.
   transport::Fifo<PendingOp> pending_;  // DATA and RTS, in message order.
   transport::Fifo<PendingOp> control_;  // CTS and WRITE: rendezvous progress, first.
   // Before large_out_: its buffers go back to the pool before the pool goes.
@@ -971,6 +1068,9 @@ class RdmaConnection final : public transport::Connection {
   void Receive(transport::ReceiveHandler handler) override { impl_->Receive(std::move(handler)); }
   void Close() override { impl_->Close(); }
   transport::ConnectionStats stats() const override { return impl_->stats(); }
+  void SendRegistered(std::shared_ptr<const Buffer> buffer, transport::SendHandler handler) {
+    impl_->SendRegistered(std::move(buffer), std::move(handler));
+  }
 
  private:
   std::shared_ptr<RdmaConnectionImpl> impl_;
@@ -1201,6 +1301,27 @@ void Connect(asio::any_io_executor ex, std::shared_ptr<RdmaContext> context, con
     return;
   }
   asio::co_spawn(ex, ConnectImpl(ex, std::move(context), host, port, options), Finish(ex, std::move(handler)));
+}
+
+void SendRegistered(transport::Connection& connection, std::shared_ptr<const Buffer> buffer,
+                    transport::SendHandler handler) {
+  if (auto* rdma = dynamic_cast<RdmaConnection*>(&connection)) {
+    rdma->SendRegistered(std::move(buffer), std::move(handler));
+    return;
+  }
+  // Another backend: the bytes are copied into its send memory.
+  if (buffer == nullptr || !*buffer) {
+    transport::PostCompletion(connection.get_executor(), std::move(handler),
+                              absl::InvalidArgumentError("SendRegistered: empty Buffer"));
+    return;
+  }
+  auto out = connection.Prepare(buffer->size());
+  if (!out.ok()) {
+    transport::PostCompletion(connection.get_executor(), std::move(handler), out.status());
+    return;
+  }
+  if (buffer->size() > 0) std::memcpy(out->data().data(), buffer->data().data(), buffer->size());
+  connection.Send(std::move(*out), std::move(handler));
 }
 
 }  // namespace rdmarpc::rdma

@@ -24,6 +24,7 @@
 #include <string>
 #include <vector>
 
+#include "transport/rdma/buffer_pool.h"
 #include "transport/rdma/cm.h"
 #include "transport/rdma/verbs.h"
 #include "transport/transport.h"
@@ -176,6 +177,33 @@ absl::StatusOr<std::unique_ptr<transport::Listener>> Listen(asio::any_io_executo
 // device (else FAILED_PRECONDITION naming both devices).
 void Connect(asio::any_io_executor ex, std::shared_ptr<RdmaContext> context, const std::string& host,
              uint16_t port, RdmaOptions options, transport::Listener::AcceptHandler handler);
+
+// Zero-copy send of the application's own registered memory: `buffer`
+// (taken from a BufferPool made with BufferPool::CreateForDevice on the
+// device of the RdmaContext the connection was made with) goes out as it is:
+// up to the eager limit in one SEND that gathers a transport header and the
+// buffer's bytes, above it by RDMA WRITE from the buffer into the peer's
+// grant. Nothing is copied, so the bytes must not change until `handler`
+// runs; the connection holds a reference to `buffer` until then (or, after a
+// failure, until it is destroyed), so one Buffer can go to many connections
+// at once (fanout) and returns to its pool when the last send is done. The
+// pool must outlive the connections it sends on. Same ordering, credits and
+// errors as Connection::Send. A Buffer registered in another protection
+// domain is refused with INVALID_ARGUMENT (posting it would fail the
+// connection with a local protection error). On a non-RDMA connection (TCP)
+// the bytes are copied into a prepared buffer and sent: the same code runs on
+// both transports.
+void SendRegistered(transport::Connection& connection, std::shared_ptr<const Buffer> buffer,
+                    transport::SendHandler handler);
+
+template <typename Token>
+auto AsyncSendRegistered(transport::Connection& connection, std::shared_ptr<const Buffer> buffer, Token&& token) {
+  return asio::async_initiate<Token, void(absl::Status)>(
+      [&connection](auto handler, std::shared_ptr<const Buffer> b) {
+        SendRegistered(connection, std::move(b), std::move(handler));
+      },
+      token, std::move(buffer));
+}
 
 template <typename Token>
 auto AsyncConnect(asio::any_io_executor ex, std::shared_ptr<RdmaContext> context, std::string host,
