@@ -5,11 +5,16 @@
 //
 //   cpu_per_call [--transport=tcp,rdma,grpc] [--calls=N] [--warmup=N] [--size=B]
 //                [--concurrency=N] [--callgrind] [--device=NAME] [--ip=ADDR]
+//                [--poll=event|adaptive|busy] [--rtc]
 //
 // rdmarpc rows run client and server on ONE io_context on ONE thread (the
-// RDMA connection in event mode: completion channels in the reactor, no
-// poller thread), so every instruction of a call, both sides, is on that
-// thread and the count does not depend on scheduling. gRPC runs as its API
+// RDMA connection by default in event mode: completion channels in the
+// reactor, no poller thread), so every instruction of a call, both sides, is
+// on that thread and the count does not depend on scheduling. --poll=adaptive
+// --rtc keeps that one thread and polls the CQs on it (no syscall while calls
+// flow); its count includes the polls that found nothing, so it varies a
+// little from run to run. --poll without --rtc adds poller threads, which
+// callgrind counts too (their spinning is CPU the call costs). gRPC runs as its API
 // wants (server completion-queue thread, client on the main thread, its own
 // internal threads); callgrind counts all of them.
 //
@@ -73,13 +78,17 @@ struct Options {
   bool child = false;  // Internal: one transport, measured phase instrumented.
   int alloc_trace = 0;  // Print the stacks of this many measured-phase allocations.
   std::string device, ip;
+  // rdma only: the poll mode, and run to completion (busy/adaptive).
+  rdma::PollMode poll = rdma::PollMode::kEvent;
+  bool rtc = false;
 };
 
 [[noreturn]] void Usage(const std::string& why) {
   if (!why.empty()) std::fprintf(stderr, "cpu_per_call: %s\n\n", why.c_str());
   std::fprintf(stderr,
                "usage: cpu_per_call [--transport=tcp,rdma,grpc] [--calls=N] [--warmup=N] [--size=BYTES]\n"
-               "                    [--concurrency=N] [--callgrind] [--device=NAME] [--ip=ADDR] [--alloc-trace=N]\n\n"
+               "                    [--concurrency=N] [--callgrind] [--device=NAME] [--ip=ADDR] [--alloc-trace=N]\n"
+               "                    [--poll=event|adaptive|busy] [--rtc]   (rdma: poll mode, run to completion)\n\n"
                "Unary echo, client and server in this process. Prints heap allocations per call and,\n"
                "with --callgrind (valgrind installed), user-space instructions per call, both sides\n"
                "together. rdma needs --device/--ip, or RXE_VM_DEV/RXE_VM_SELF_IP (set inside tools/rxe-vm).\n");
@@ -94,6 +103,7 @@ Options Parse(int argc, char** argv) {
     std::string a = argv[i];
     if (a == "-h" || a == "--help") Usage("");
     if (a == "--callgrind") { o.callgrind = true; continue; }
+    if (a == "--rtc") { o.rtc = true; continue; }
     if (a == "--child") { o.child = true; continue; }
     const auto eq = a.find('=');
     if (a.rfind("--", 0) != 0 || eq == std::string::npos) Usage("unknown argument " + a);
@@ -113,6 +123,10 @@ Options Parse(int argc, char** argv) {
         Usage("--concurrency takes 1..4096");
     } else if (key == "alloc-trace") {
       if (!absl::SimpleAtoi(val, &o.alloc_trace) || o.alloc_trace < 0) Usage("--alloc-trace takes a count");
+    } else if (key == "poll") {
+      auto m = rdma::ParsePollMode(val);
+      if (!m.ok()) Usage(std::string(m.status().message()));
+      o.poll = *m;
     } else if (key == "device") {
       o.device = val;
     } else if (key == "ip") {
@@ -190,7 +204,8 @@ absl::StatusOr<Phase> RunRdmarpc(const Options& o, const std::string& transport)
     auto c = rdma::RdmaContext::Open({.name = o.device});
     if (!c.ok()) return c.status();
     topts.rdma_context = *c;
-    topts.rdma.poll_mode = rdma::PollMode::kEvent;
+    topts.rdma.poll_mode = o.poll;
+    topts.rdma.run_to_completion = o.rtc;
     host = o.ip;
   }
   asio::io_context io(1);  // one thread: Asio may skip its locks
@@ -362,6 +377,8 @@ absl::StatusOr<CountRow> RunUnderCallgrind(const Options& o, const std::string& 
                                    absl::StrCat("--size=", o.size),
                                    absl::StrCat("--concurrency=", o.concurrency)};
   if (!o.device.empty()) args.push_back(absl::StrCat("--device=", o.device));
+  args.push_back(absl::StrCat("--poll=", rdma::PollModeName(o.poll)));
+  if (o.rtc) args.push_back("--rtc");
   if (!o.ip.empty()) args.push_back(absl::StrCat("--ip=", o.ip));
   int pipefd[2];
   if (pipe(pipefd) != 0) return absl::InternalError("pipe failed");

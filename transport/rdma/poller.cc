@@ -70,6 +70,36 @@ bool DrainTo(ibv_cq* cq, const asio::any_io_executor& ex, const std::shared_ptr<
   return any;
 }
 
+// How long polling has found nothing, without a clock read on every poll.
+// Where the kernel has no vDSO clock (Soft-RoCE's VM runs on hpet) every
+// steady_clock::now() is a syscall that costs more than the poll: the
+// adaptive pollers read it once per kPollsPerClockRead empty polls, and a
+// poll that finds work costs no clock read at all. Spinning lasts `limit`
+// plus at most that many polls.
+class QuietTimer {
+ public:
+  explicit QuietTimer(std::chrono::microseconds limit) : limit_(limit) {}
+  void Activity() { empty_ = 0; }
+  // Counts one empty poll; true once polls have been empty for `limit`.
+  bool Expired() {
+    if (limit_.count() <= 0) return true;
+    if (++empty_ % kPollsPerClockRead != 0) return false;
+    const auto now = Clock::now();
+    if (empty_ == kPollsPerClockRead) {
+      since_ = now;
+      return false;
+    }
+    return now - since_ >= limit_;
+  }
+
+ private:
+  using Clock = std::chrono::steady_clock;
+  static constexpr uint64_t kPollsPerClockRead = 64;
+  const std::chrono::microseconds limit_;
+  uint64_t empty_ = 0;
+  Clock::time_point since_{};
+};
+
 void PinThread(std::thread& t, int cpu) {
   if (cpu < 0) return;
   cpu_set_t set;
@@ -100,7 +130,7 @@ class EventPoller final : public Poller {
   EventPoller(asio::any_io_executor ex, ibv_cq* cq, ibv_comp_channel* channel, Spin spin,
               std::chrono::microseconds spin_for, Sink sink)
       : cq_(cq), channel_(channel), fd_(ex, channel->fd), box_(std::make_shared<SinkBox>()), spin_(spin),
-        spin_for_(spin_for) {
+        quiet_(spin_for) {
     box_->sink = std::move(sink);
   }
   ~EventPoller() override { Stop(); }
@@ -109,7 +139,7 @@ class EventPoller final : public Poller {
     if (auto st = MakeNonBlocking(channel_->fd, "the completion channel"); !st.ok()) return st;
     if (spin_ != Spin::kNone) {
       // Start spinning: the peer may SEND the moment the connection is up.
-      last_completion_ = Clock::now();
+      quiet_.Activity();
       PostSpin();
       return absl::OkStatus();
     }
@@ -147,7 +177,7 @@ class EventPoller final : public Poller {
     TakeCqEvents(channel_, cq_, unacked_);
     if (spin_ != Spin::kNone) {
       // Traffic again: poll from the executor until it is quiet.
-      last_completion_ = Clock::now();
+      quiet_.Activity();
       SpinPass();
       return;
     }
@@ -167,18 +197,17 @@ class EventPoller final : public Poller {
   void SpinPass() {
     bool any = false;
     if (!DrainToEmpty(&any)) return;
-    const auto now = Clock::now();
-    if (any) last_completion_ = now;
-    if (spin_ == Spin::kBusy || now - last_completion_ < spin_for_) {
+    if (any) quiet_.Activity();
+    if (spin_ == Spin::kBusy || any || !quiet_.Expired()) {
       PostSpin();
       return;
     }
-    // Quiet for spin_for_: arm, drain once more (closes the race), sleep.
+    // Quiet for spin_for: arm, drain once more (closes the race), sleep.
     ibv_req_notify_cq(cq_, 0);
     any = false;
     if (!DrainToEmpty(&any)) return;
     if (any) {
-      last_completion_ = now;
+      quiet_.Activity();
       PostSpin();
       return;
     }
@@ -197,15 +226,13 @@ class EventPoller final : public Poller {
     return true;
   }
 
-  using Clock = std::chrono::steady_clock;
   ibv_cq* cq_;
   ibv_comp_channel* channel_;
   asio::posix::stream_descriptor fd_;
   std::shared_ptr<SinkBox> box_;
   unsigned unacked_ = 0;
   const Spin spin_;
-  const std::chrono::microseconds spin_for_;
-  Clock::time_point last_completion_{};
+  QuietTimer quiet_;
 };
 
 class ThreadPoller final : public Poller {
@@ -242,12 +269,11 @@ class ThreadPoller final : public Poller {
   bool Drain() { return DrainTo(cq_, ex_, box_); }
 
   void Loop() {
-    using Clock = std::chrono::steady_clock;
-    auto idle_since = Clock::now();
+    QuietTimer quiet(spin_);
     uint32_t empty_polls = 0;
     while (!stop_.load(std::memory_order_relaxed)) {
       if (Drain()) {
-        idle_since = Clock::now();
+        quiet.Activity();
         empty_polls = 0;
         continue;
       }
@@ -259,17 +285,17 @@ class ThreadPoller final : public Poller {
         if (++empty_polls % kPollsPerYield == 0) sched_yield();
         continue;
       }
-      if (Clock::now() - idle_since < spin_) continue;
+      if (!quiet.Expired()) continue;
       // Adaptive: arm, drain once more (closes the race), then sleep.
       ibv_req_notify_cq(cq_, 0);
       if (Drain()) {
-        idle_since = Clock::now();
+        quiet.Activity();
         continue;
       }
       pollfd pfd{channel_->fd, POLLIN, 0};
       // Wake up now and then to notice Stop(); completions wake us at once.
       if (::poll(&pfd, 1, 20) > 0) TakeCqEvents(channel_, cq_, unacked_);
-      idle_since = Clock::now();
+      quiet.Activity();
     }
   }
 
@@ -381,8 +407,7 @@ class PollerGroup::Worker {
   }
 
   void Loop() {
-    using Clock = std::chrono::steady_clock;
-    auto idle_since = Clock::now();
+    QuietTimer quiet(spin_);
     uint32_t empty_polls = 0;
     std::vector<pollfd> fds;
     std::vector<Member*> watched;
@@ -395,11 +420,11 @@ class PollerGroup::Worker {
         empty = members_.empty();
       }
       if (any) {
-        idle_since = Clock::now();
+        quiet.Activity();
         empty_polls = 0;
         continue;
       }
-      const bool sleep = empty || (mode_ == PollMode::kAdaptive && Clock::now() - idle_since >= spin_);
+      const bool sleep = empty || (mode_ == PollMode::kAdaptive && quiet.Expired());
       if (!sleep) {
         if (mode_ == PollMode::kBusy && ++empty_polls % kPollsPerYield == 0) sched_yield();
         continue;
@@ -423,7 +448,7 @@ class PollerGroup::Worker {
         watched_generation = generation_;
       }
       if (any) {
-        idle_since = Clock::now();
+        quiet.Activity();
         continue;
       }
       // The timeout only bounds a missed wake-up; completions and Add() wake us.
@@ -442,7 +467,7 @@ class PollerGroup::Worker {
           for (Member* m : members_) TakeCqEvents(m->channel, m->cq, m->unacked);
         }
       }
-      idle_since = Clock::now();
+      quiet.Activity();
     }
   }
 
