@@ -217,11 +217,14 @@ class RdmaConnectionImpl final : public std::enable_shared_from_this<RdmaConnect
   std::string peer() const { return peer_uri_; }
   size_t max_message_size() const { return std::min<uint64_t>(opt_.max_message_size, peer_max_message_); }
 
+  absl::Status TooLarge(size_t size) const {
+    return absl::InvalidArgumentError(absl::StrCat("message of ", size, " bytes exceeds the limit of ",
+                                                   max_message_size(), " bytes on this connection"));
+  }
+
   absl::StatusOr<SendBuffer> Prepare(size_t size) {
     if (!error_.ok()) return error_;
-    if (size > max_message_size())
-      return absl::InvalidArgumentError(absl::StrCat("message of ", size, " bytes exceeds the limit of ",
-                                                     max_message_size(), " bytes on this connection"));
+    if (size > max_message_size()) return TooLarge(size);
     if (size <= eager_to_peer_) {
       if (free_send_slots_.size() <= kControlSlots)
         return absl::ResourceExhaustedError(absl::StrCat(
@@ -269,8 +272,7 @@ class RdmaConnectionImpl final : public std::enable_shared_from_this<RdmaConnect
           ctx_->device().name(), "); take it from a BufferPool made with BufferPool::CreateForDevice on the "
           "device of the RdmaContext this connection was made with"));
     } else if (buffer->size() > max_message_size()) {
-      st = absl::InvalidArgumentError(absl::StrCat("message of ", buffer->size(), " bytes exceeds the limit of ",
-                                                   max_message_size(), " bytes on this connection"));
+      st = TooLarge(buffer->size());
     } else if (!error_.ok()) {
       st = error_;
     }
@@ -520,10 +522,16 @@ class RdmaConnectionImpl final : public std::enable_shared_from_this<RdmaConnect
   // Posts one SEND of `slot` (header already there) covering `bytes`.
   absl::Status PostSend(uint32_t slot, size_t bytes) {
     ibv_sge sge{reinterpret_cast<uint64_t>(SendSlot(slot)), static_cast<uint32_t>(bytes), slots_mr_->lkey};
+    return PostSendSges(slot, &sge, 1, bytes);
+  }
+
+  // Posts one signalled SEND, accounted to `slot`, of `n` SGEs holding `bytes`
+  // in all (inline when they fit).
+  absl::Status PostSendSges(uint32_t slot, ibv_sge* sges, int n, size_t bytes) {
     ibv_send_wr wr{};
     wr.wr_id = MakeWrId(kWrSend, 1, slot);
-    wr.sg_list = &sge;
-    wr.num_sge = 1;
+    wr.sg_list = sges;
+    wr.num_sge = n;
     wr.opcode = IBV_WR_SEND;
     wr.send_flags = IBV_SEND_SIGNALED | (bytes <= max_inline_ ? IBV_SEND_INLINE : 0);
     ibv_send_wr* bad = nullptr;
@@ -539,17 +547,7 @@ class RdmaConnectionImpl final : public std::enable_shared_from_this<RdmaConnect
     ibv_sge sge[2] = {{reinterpret_cast<uint64_t>(SendSlot(slot)), static_cast<uint32_t>(wire::kHeaderSize),
                        slots_mr_->lkey},
                       {reinterpret_cast<uint64_t>(data), static_cast<uint32_t>(bytes), lkey}};
-    ibv_send_wr wr{};
-    wr.wr_id = MakeWrId(kWrSend, 1, slot);
-    wr.sg_list = sge;
-    wr.num_sge = bytes == 0 ? 1 : 2;
-    wr.opcode = IBV_WR_SEND;
-    wr.send_flags = IBV_SEND_SIGNALED | (wire::kHeaderSize + bytes <= max_inline_ ? IBV_SEND_INLINE : 0);
-    ibv_send_wr* bad = nullptr;
-    if (int rc = ibv_post_send(ep_->qp(), &wr, &bad); rc != 0) return ErrnoStatus(rc, "ibv_post_send(SEND, gather)");
-    ++sq_used_;
-    ++stats_.wr_posted;
-    return absl::OkStatus();
+    return PostSendSges(slot, sge, bytes == 0 ? 1 : 2, wire::kHeaderSize + bytes);
   }
 
   // Sends a header-only or header+grant control frame in a fresh slot.
@@ -591,25 +589,15 @@ class RdmaConnectionImpl final : public std::enable_shared_from_this<RdmaConnect
       absl::Status st;
       if (op.op == Op::kData) {
         if (sq_used_ >= opt_.send_depth) break;
-        ledger_->ConsumeData();
-        auto owed = ledger_->TakeOwed();
-        wire::EncodeHeader({wire::Type::kData, owed.data, owed.ctrl, static_cast<uint32_t>(op.size), 0},
-                           SendSlot(op.slot));
-        slot_handlers_[op.slot].swap(op.handler);  // Never move-assign: see kNoHandlerAssign.
-        stats_.eager_bytes += op.size;
+        BeginDataFrame(op, op.slot);
         st = PostSend(op.slot, wire::kHeaderSize + op.size);
       } else if (op.op == Op::kDataLent) {
         // A slot for the header only; the payload stays in the caller's Buffer.
         if (sq_used_ >= opt_.send_depth || free_send_slots_.size() <= kControlSlots) break;
-        ledger_->ConsumeData();
         const uint32_t slot = free_send_slots_.back();
         free_send_slots_.pop_back();
-        auto owed = ledger_->TakeOwed();
-        wire::EncodeHeader({wire::Type::kData, owed.data, owed.ctrl, static_cast<uint32_t>(op.size), 0},
-                           SendSlot(slot));
-        slot_handlers_[slot].swap(op.handler);
+        BeginDataFrame(op, slot);
         slot_lent_[slot] = op.id;
-        stats_.eager_bytes += op.size;
         const LargeOut& out = large_out_.at(op.id);
         st = PostSendGather(slot, out.data, op.size, out.lkey);
       } else {  // kRts: ordered with DATA, so it shares their queue and credits.
@@ -622,6 +610,16 @@ class RdmaConnectionImpl final : public std::enable_shared_from_this<RdmaConnect
       if (!st.ok()) return Fail(st);
     }
     MaybeReturnCredits();
+  }
+
+  // Takes a data credit for `op` and writes its DATA header, carrying the
+  // credits we owe, into `slot`, which now answers for op's handler.
+  void BeginDataFrame(PendingOp& op, uint32_t slot) {
+    ledger_->ConsumeData();
+    auto owed = ledger_->TakeOwed();
+    wire::EncodeHeader({wire::Type::kData, owed.data, owed.ctrl, static_cast<uint32_t>(op.size), 0}, SendSlot(slot));
+    slot_handlers_[slot].swap(op.handler);  // Never move-assign: see kNoHandlerAssign.
+    stats_.eager_bytes += op.size;
   }
 
   // Posts one CTS or WRITE if credits and queue room allow; false = not yet.
