@@ -129,6 +129,13 @@ struct ConnectionStats {
   // which holds send_pool_registered_bytes of registered slabs.
   uint64_t rendezvous_send_registrations = 0;
   uint64_t send_pool_registered_bytes = 0;
+  // Incoming rendezvous messages granted through a type-2 memory window bound
+  // over a buffer of the connection's grant pool (nothing registered), and
+  // those that needed an MR of their own (the device has no type-2 windows,
+  // RdmaOptions::grant_windows is off, the message is above the pool's
+  // largest class, 1 MiB, or the pool is at its cap).
+  uint64_t grants_windowed = 0;
+  uint64_t rendezvous_receive_registrations = 0;
   uint64_t rnr_errors = 0;           // IBV_WC_RNR_RETRY_EXC_ERR seen: 0 by design.
   uint64_t wc_errors = 0;            // Non-success completions of any other kind.
   // The queue pair's state as the device reports it, 1 + ibv_qp_state:

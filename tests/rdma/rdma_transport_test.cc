@@ -570,6 +570,53 @@ TEST(RdmaTransportLimits, IncomingRendezvousMemoryIsCappedAndOrderIsKept) {
   EXPECT_EQ(p.server->stats().rendezvous_bytes_held, 0u);
 }
 
+// Rendezvous grants come from the receiver's grant pool, each opened by a
+// type-2 memory window over exactly its bytes (issue 4: "grants from its
+// pool"; issue 8 item 10): once the pool's slabs exist, a large message
+// registers nothing, so the MR count stays flat however many arrive. Above
+// the pool's largest class (1 MiB) a grant is an MR of its own. With
+// grant_windows off (devices without type-2 windows) every grant is an MR of
+// its own, registered and deregistered per message.
+TEST(RdmaTransportGrants, GrantsAreWindowsOverPooledMemoryNotRegistrations) {
+  auto ctx = OpenContext();
+  ASSERT_TRUE(ctx);
+  ASSERT_TRUE(ctx->device().SupportsType2Windows()) << ctx->device().name() << " binds no type-2 memory windows";
+  const std::vector<size_t> pooled = {8 << 10, (16 << 10) + 1, (64 << 10) - 1, 200 << 10, 1 << 20};
+  const size_t above = (size_t{1} << 20) + 1;
+  constexpr int kRounds = 3;
+  for (bool windows : {true, false}) {
+    SCOPED_TRACE(windows ? "grant_windows on" : "grant_windows off");
+    asio::io_context io;
+    RdmaOptions opt;
+    opt.grant_windows = windows;
+    Pair p = ConnectPair(io, ctx, opt);
+    ASSERT_TRUE(p.client && p.server);
+    std::map<int, int> mrs;  // round -> MRs on the device after it
+    for (int round = 0; round < kRounds; ++round) {
+      for (size_t size : pooled) {
+        ExpectDelivered(io, *p.client, *p.server, size);
+        ExpectDelivered(io, *p.server, *p.client, size);
+      }
+      mrs[round] = ResourceCounts(ctx->device().name())["mr"];
+    }
+    ExpectDelivered(io, *p.client, *p.server, above);
+    const size_t n = pooled.size() * kRounds;
+    for (Connection* c : {p.client.get(), p.server.get()}) {
+      const auto st = c->stats();
+      EXPECT_EQ(st.grants_live, 0u);
+      EXPECT_EQ(st.wc_errors, 0u);
+      EXPECT_EQ(st.grants_windowed, windows ? n : 0u);
+    }
+    EXPECT_EQ(p.server->stats().rendezvous_receive_registrations, windows ? 1u : n + 1);
+    EXPECT_EQ(p.client->stats().rendezvous_receive_registrations, windows ? 0u : n);
+    // Warm after the first round: no registration per message left behind.
+    EXPECT_EQ(mrs[1], mrs[0]);
+    EXPECT_EQ(mrs[2], mrs[0]);
+    p.client->Close();
+    p.server->Close();
+  }
+}
+
 TEST(RdmaTransportTeardown, PeerClosingMidStreamFailsPendingWorkAndFreesEverything) {
   auto ctx = OpenContext();
   ASSERT_TRUE(ctx);

@@ -15,6 +15,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "tests/support/rdma_env.h"
 #include "transport/rdma/rdma_transport.h"
 
@@ -24,7 +25,9 @@ namespace {
 namespace asio = boost::asio;
 using transport::Connection;
 using transport::Message;
-constexpr size_t kSize = size_t{256} << 10;  // rendezvous (above the eager limit)
+// Rendezvous (above the eager limit), and exactly a grant-pool class: a
+// window then covers its whole buffer, whose MR ends where the grant does.
+constexpr size_t kSize = size_t{256} << 10;
 
 std::shared_ptr<RdmaContext> OpenContext() {
   auto ctx = RdmaContext::Open({.name = testing::TestDevice()});
@@ -34,9 +37,9 @@ std::shared_ptr<RdmaContext> OpenContext() {
 
 class Rig {
  public:
-  explicit Rig(RdmaOptions attacker_options) : ctx_(OpenContext()) {
+  Rig(RdmaOptions attacker_options, RdmaOptions server_options) : ctx_(OpenContext()) {
     if (!ctx_) return;
-    auto listener = Listen(io_.get_executor(), ctx_, testing::TestIp(), 0, RdmaOptions{});
+    auto listener = Listen(io_.get_executor(), ctx_, testing::TestIp(), 0, std::move(server_options));
     EXPECT_TRUE(listener.ok()) << listener.status();
     if (!listener.ok()) return;
     listener_ = std::move(*listener);
@@ -109,19 +112,24 @@ bool AllBytesAre(const Message& m, uint8_t fill) {
   return true;
 }
 
+using Rewrite = std::function<void(const RdmaOptions::GrantForTest& first, RdmaOptions::GrantForTest& second)>;
+
 // One attack: message 1 goes through honestly and the victim keeps it (its
 // buffer stays allocated, its grant revoked); message 2's grant is rewritten
 // by `rewrite` (given message 1's grant). Checks everything the scenario asks.
-void Attack(const char* what, std::function<void(const RdmaOptions::GrantForTest& first,
-                                                 RdmaOptions::GrantForTest& second)> rewrite) {
-  SCOPED_TRACE(what);
+// The victim grants through type-2 memory windows over its grant pool
+// (`windows`, the default) or with an MR per message (devices without them).
+void AttackOnce(const char* what, bool windows, const Rewrite& rewrite) {
+  SCOPED_TRACE(absl::StrCat(what, windows ? ", grants are windows over a pool" : ", grants are MRs of their own"));
   std::vector<RdmaOptions::GrantForTest> seen;
   RdmaOptions evil;
   evil.test_rewrite_grant = [&](RdmaOptions::GrantForTest& g) {
     seen.push_back(g);
     if (seen.size() == 2) rewrite(seen[0], g);
   };
-  Rig rig(std::move(evil));
+  RdmaOptions server;
+  server.grant_windows = windows;
+  Rig rig(std::move(evil), std::move(server));
   ASSERT_TRUE(rig.ok());
 
   ASSERT_TRUE(rig.SendFill(rig.attacker(), kSize, 0xA1).ok());
@@ -143,12 +151,20 @@ void Attack(const char* what, std::function<void(const RdmaOptions::GrantForTest
   // The victim's memory is byte-identical.
   EXPECT_TRUE(AllBytesAre(held, 0xA1)) << "the attacker changed memory it had no live grant for";
   held.Reset();
+  // The grants were of the kind this round is about.
+  const auto vs = rig.victim().stats();
+  EXPECT_EQ(vs.grants_windowed, windows ? 2u : 0u);
+  EXPECT_EQ(vs.rendezvous_receive_registrations, windows ? 0u : 2u);
 
   // Another client of the same listener is untouched.
   ASSERT_TRUE(rig.SendFill(rig.bystander(), kSize, 0x5B).ok());
   auto other = rig.ReceiveOne(rig.bystander_server(), std::chrono::seconds(60));
   ASSERT_TRUE(other && other->ok()) << (other ? other->status().ToString() : "nothing arrived");
   EXPECT_TRUE(AllBytesAre(**other, 0x5B));
+}
+
+void Attack(const char* what, const Rewrite& rewrite) {
+  for (bool windows : {true, false}) AttackOnce(what, windows, rewrite);
 }
 
 TEST(RdmaRkeyAttack, AGrantWhoseTransferCompletedIsRevoked) {
@@ -174,8 +190,19 @@ TEST(RdmaRkeyAttack, GuessedNeighboursOfALiveRkeyFail) {
 }
 
 TEST(RdmaRkeyAttack, WritingPastTheGrantedLengthFails) {
-  // The grant's MR is exactly the granted length: one byte further is outside it.
+  // The grant (its window, or its MR) is exactly the granted length: one
+  // byte further is outside it.
   Attack("past the end", [](const auto&, auto& second) { second.addr += 1; });
+}
+
+TEST(RdmaRkeyAttack, TheLiveRkeyAimedAtAHeldMessageFails) {
+  // The attacker has a live grant and aims it at the buffer of message 1,
+  // which the victim's application is still reading. A window is bound over
+  // one grant-pool buffer, and rxe checks a window's writes against its MR's
+  // range only (not the window's own): the pool must therefore give every
+  // buffer its own MR, or this write would land (it did, in a first version
+  // whose pool carved buffers from shared slabs).
+  Attack("live rkey, a held message's address", [](const auto& first, auto& second) { second.addr = first.addr; });
 }
 
 }  // namespace

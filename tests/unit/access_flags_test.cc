@@ -35,6 +35,22 @@ TEST(AccessFlags, ListsEveryRegistration) {
   for (const access::Use& use : access::kInUse) std::cout << "  " << use.what << ": " << Describe(use.flags) << "\n";
   EXPECT_EQ(access::kLocalOnly, IBV_ACCESS_LOCAL_WRITE);
   EXPECT_EQ(access::kRendezvousReceive, IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE);
+  EXPECT_EQ(access::kGrantPool, IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_MW_BIND);
+  EXPECT_EQ(access::kGrantWindow, IBV_ACCESS_REMOTE_WRITE);
+}
+
+// The grant pool's slabs may have windows bound over them, but their own
+// rkey opens nothing: no remote flag on the MR.
+TEST(AccessFlags, OnlyTheGrantPoolAllowsWindowBindingAndItsMrIsNotRemote) {
+  int bindable = 0;
+  for (const access::Use& use : access::kInUse) {
+    if ((use.flags & IBV_ACCESS_MW_BIND) == 0) continue;
+    ++bindable;
+    EXPECT_EQ(use.flags, access::kGrantPool) << use.what;
+    EXPECT_EQ(use.flags & (IBV_ACCESS_REMOTE_WRITE | IBV_ACCESS_REMOTE_READ | IBV_ACCESS_REMOTE_ATOMIC), 0)
+        << use.what;
+  }
+  EXPECT_EQ(bindable, 1);
 }
 
 TEST(AccessFlags, NothingIsRemotelyReadableOrAtomic) {
@@ -49,11 +65,12 @@ TEST(AccessFlags, OnlyRendezvousReceiveBuffersAreRemotelyWritable) {
   for (const access::Use& use : access::kInUse) {
     if ((use.flags & IBV_ACCESS_REMOTE_WRITE) == 0) continue;
     ++writable;
-    EXPECT_EQ(use.flags, access::kRendezvousReceive) << use.what;
+    EXPECT_TRUE(use.flags == access::kRendezvousReceive || use.flags == access::kGrantWindow)
+        << use.what << ": " << Describe(use.flags);
     EXPECT_NE(use.what.find("rendezvous receive buffer"), std::string_view::npos)
         << use.what << " is remotely writable but is not a rendezvous receive buffer";
   }
-  EXPECT_EQ(writable, 1);
+  EXPECT_EQ(writable, 2);  // the per-message MR and the grant window
   EXPECT_EQ(BufferPoolOptions{}.access, access::kLocalOnly) << "a pool must not be remotely writable by default";
 }
 

@@ -1,9 +1,11 @@
 // The verbs access flags rdmarpc registers memory with, in one place, so the
 // rule can be read and tested (tests/unit/access_flags_test.cc): no memory is
 // remotely readable or atomically accessible, and the only remotely writable
-// memory is a rendezvous receive buffer -- an exact-size MR per granted
-// message, deregistered (its rkey revoked) when the WRITE_WITH_IMM completing
-// it arrives, before the message is delivered. A feature that needs more adds
+// memory is a rendezvous receive buffer -- a type-2 memory window bound over
+// exactly the granted bytes of a grant-pool buffer, or (no windows on the
+// device, or above the pool's largest class) an exact-size MR per granted
+// message -- revoked (window invalidated, MR deregistered) when the
+// WRITE_WITH_IMM completing it arrives, before the message is delivered. A feature that needs more adds
 // a named set here, to kInUse, and to the test's expectations.
 #pragma once
 
@@ -23,6 +25,16 @@ inline constexpr int kLocalOnly = IBV_ACCESS_LOCAL_WRITE;
 // it, using the rkey from our CTS.
 inline constexpr int kRendezvousReceive = IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE;
 
+// A slab of a connection's grant pool: registered once, not remotely
+// accessible through its own rkey (no REMOTE_* flag). Each rendezvous grant
+// binds a type-2 memory window over exactly the granted bytes of one buffer
+// (kGrantWindow) and invalidates it when the transfer completes. LOCAL_WRITE
+// is required to bind a window with REMOTE_WRITE (IB spec C10-74).
+inline constexpr int kGrantPool = IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_MW_BIND;
+
+// What a bound grant window allows: the peer's RDMA WRITE, nothing else.
+inline constexpr int kGrantWindow = IBV_ACCESS_REMOTE_WRITE;
+
 // Flags no registration of ours may carry.
 inline constexpr int kForbidden = IBV_ACCESS_REMOTE_READ | IBV_ACCESS_REMOTE_ATOMIC;
 
@@ -32,10 +44,12 @@ struct Use {
 };
 
 // Every registration the library makes, by the set it uses.
-inline constexpr std::array<Use, 5> kInUse = {{
+inline constexpr std::array<Use, 7> kInUse = {{
     {"rdma connection send/receive slots", kLocalOnly},
     {"rdma connection send-side rendezvous buffer", kLocalOnly},
-    {"rdma connection rendezvous receive buffer (granted)", kRendezvousReceive},
+    {"rdma connection rendezvous receive buffer (granted, one MR per message)", kRendezvousReceive},
+    {"rdma connection grant pool slab (windows are bound over it)", kGrantPool},
+    {"rdma connection rendezvous receive buffer (granted, type-2 window over the grant pool)", kGrantWindow},
     {"rc_link ring", kLocalOnly},
     {"buffer pool default (BufferPoolOptions::access)", kLocalOnly},
 }};

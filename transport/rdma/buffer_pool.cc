@@ -127,7 +127,7 @@ absl::StatusOr<Slab> VerbsSlabProvider::Allocate(size_t bytes, int access) {
     munmap(base, mapped);
     return mr.status();  // Unchanged: it carries the RLIMIT_MEMLOCK advice.
   }
-  Slab slab{.base = base, .bytes = bytes, .lkey = (*mr)->lkey, .rkey = (*mr)->rkey,
+  Slab slab{.base = base, .bytes = bytes, .lkey = (*mr)->lkey, .rkey = (*mr)->rkey, .region = mr->get(),
             .huge_pages = huge, .numa_node = placed_on};
   mappings_.emplace(base, Mapping{mapped, *std::move(mr)});
   return slab;
@@ -346,6 +346,7 @@ Buffer::Buffer(Buffer&& other) noexcept
       capacity_(other.capacity_),
       lkey_(other.lkey_),
       rkey_(other.rkey_),
+      region_(other.region_),
       class_index_(other.class_index_) {}
 
 Buffer& Buffer::operator=(Buffer&& other) noexcept {
@@ -357,6 +358,7 @@ Buffer& Buffer::operator=(Buffer&& other) noexcept {
     capacity_ = other.capacity_;
     lkey_ = other.lkey_;
     rkey_ = other.rkey_;
+    region_ = other.region_;
     class_index_ = other.class_index_;
   }
   return *this;
@@ -504,7 +506,7 @@ absl::Status BufferPool::GrowLocked(uint32_t cls) {
   auto* base = static_cast<std::byte*>(slab->base);
   // Pushed backwards so that the lowest address is handed out first.
   for (size_t i = n; i-- > 0;)
-    state.free.push_back({base + i * ci.buffer_bytes, slab->lkey, slab->rkey});
+    state.free.push_back({base + i * ci.buffer_bytes, slab->lkey, slab->rkey, slab->region});
   ++state.slabs;
   state.buffers += n;
   return absl::OkStatus();

@@ -78,6 +78,9 @@ struct Slab {
   size_t bytes = 0;
   uint32_t lkey = 0;
   uint32_t rkey = 0;
+  // The MR itself (VerbsSlabProvider); null for unregistered memory. A type-2
+  // memory window is bound over part of a slab through its MR.
+  ibv_mr* region = nullptr;
   // Placement facts, for BufferPoolStats: whether 2 MiB hugetlb pages back
   // the slab, and the NUMA node its memory policy prefers (-1: none).
   bool huge_pages = false;
@@ -232,6 +235,7 @@ struct FreeBuffer {
   std::byte* addr;
   uint32_t lkey;
   uint32_t rkey;
+  ibv_mr* region;
 };
 void ReleaseBuffer(PoolCore* core, uint32_t class_index, FreeBuffer buffer) noexcept;
 }  // namespace detail
@@ -255,6 +259,9 @@ class Buffer {
   uint32_t lkey() const { return lkey_; }
   uint32_t rkey() const { return rkey_; }
   uint64_t addr() const { return reinterpret_cast<uintptr_t>(data_); }
+  // The MR of the buffer's slab (to bind a memory window over the buffer);
+  // null when the pool's memory is registered nowhere.
+  ibv_mr* memory_region() const { return region_; }
   explicit operator bool() const { return core_ != nullptr; }
   // The ibv_pd* the buffer's slab is registered in (SlabProvider::
   // protection_domain()); null for an empty handle or unregistered memory.
@@ -263,7 +270,7 @@ class Buffer {
   // Gives the buffer back now; the handle becomes empty.
   void Reset() noexcept {
     if (core_ != nullptr) {
-      detail::ReleaseBuffer(core_, class_index_, {data_, lkey_, rkey_});
+      detail::ReleaseBuffer(core_, class_index_, {data_, lkey_, rkey_, region_});
       core_ = nullptr;
     }
   }
@@ -273,7 +280,7 @@ class Buffer {
   Buffer(detail::PoolCore* core, uint32_t class_index, detail::FreeBuffer buffer, size_t size,
          size_t capacity)
       : core_(core), data_(buffer.addr), size_(size), capacity_(capacity), lkey_(buffer.lkey),
-        rkey_(buffer.rkey), class_index_(class_index) {}
+        rkey_(buffer.rkey), region_(buffer.region), class_index_(class_index) {}
 
   detail::PoolCore* core_ = nullptr;
   std::byte* data_ = nullptr;
@@ -281,6 +288,7 @@ class Buffer {
   size_t capacity_ = 0;
   uint32_t lkey_ = 0;
   uint32_t rkey_ = 0;
+  ibv_mr* region_ = nullptr;
   uint32_t class_index_ = 0;
 };
 

@@ -34,7 +34,9 @@ using transport::SendBuffer;
 using transport::SendHandler;
 
 // wr_id layout: kind (8 bits) | WRs covered by this completion (8 bits) | index (48 bits).
-enum WrKind : uint64_t { kWrSend = 1, kWrRecv = 2, kWrWrite = 3 };
+// kWrBind (a grant window's BIND_MW) is unsignalled, retired by the CTS SEND
+// posted right after it; kWrInval (its LOCAL_INV) is signalled.
+enum WrKind : uint64_t { kWrSend = 1, kWrRecv = 2, kWrWrite = 3, kWrBind = 4, kWrInval = 5 };
 constexpr uint64_t MakeWrId(WrKind kind, uint64_t covered, uint64_t index) {
   return (static_cast<uint64_t>(kind) << 56) | (covered << 48) | index;
 }
@@ -381,7 +383,7 @@ class RdmaConnectionImpl final : public std::enable_shared_from_this<RdmaConnect
         break;
       case kTokLargeIn:
         if (auto it = large_in_.find(index); it != large_in_.end()) {
-          large_in_bytes_ -= it->second.buffer.size;
+          large_in_bytes_ -= it->second.size;
           large_in_.erase(it);
         }
         if (error_.ok() && !deferred_rts_.empty()) {
@@ -425,7 +427,14 @@ class RdmaConnectionImpl final : public std::enable_shared_from_this<RdmaConnect
     wire::Grant grant{};
   };
   struct LargeIn {
-    LargeBuffer buffer;
+    // Where the peer writes: a grant-pool buffer with a type-2 window bound
+    // over exactly `size` bytes of it, or memory registered for this message.
+    LargeBuffer own;
+    Buffer pooled;
+    MwPtr window;  // Declared after `pooled`: deallocated (unbound) before the buffer goes back.
+    std::byte* data = nullptr;
+    size_t size = 0;
+    uint32_t rkey = 0;
     uint32_t grant_id = 0;
     bool complete = false;
   };
@@ -487,6 +496,80 @@ class RdmaConnectionImpl final : public std::enable_shared_from_this<RdmaConnect
     return send_pool_.get();
   }
 
+  // Registered memory that incoming rendezvous messages are written into,
+  // opened to the peer one grant at a time by a type-2 memory window (the
+  // buffers' own rkeys allow no remote access: access::kGrantPool), 16 KiB
+  // to 1 MiB, at most 64 MiB pinned. Null when the device has no type-2 windows,
+  // RdmaOptions::grant_windows is off, or the pool cannot be had: grants are
+  // then registered per message.
+  BufferPool* GrantPool() {
+    if (!grant_pool_ && !grant_pool_failed_) {
+      grant_pool_failed_ = true;
+      if (!opt_.grant_windows || !ctx_->device().SupportsType2Windows()) return nullptr;
+      BufferPoolOptions o;
+      // One MR per buffer (a slab holds one buffer), so an MR's bounds are
+      // its buffer's. A window is bound over exactly the granted bytes, but
+      // rxe (Linux 6.1 and later; rxe_resp.c check_rkey) checks a write
+      // against the range of the window's MR, never the window's own: over
+      // a shared slab, a peer holding one live grant could write any buffer
+      // of the slab, including messages delivered and still being read. With
+      // an MR per buffer the most such a device lets through is the unused
+      // tail of the grant's own buffer; a NIC that enforces window bounds
+      // allows exactly the granted bytes. Classes in 2x steps keep that tail
+      // under half the buffer. Registration happens once per buffer, when the
+      // pool grows; the steady state registers nothing.
+      o.class_bytes = {16 << 10, 32 << 10, 64 << 10, 128 << 10, 256 << 10, 512 << 10, 1 << 20};
+      o.slab_bytes = 1;
+      o.min_buffers_per_slab = 1;
+      o.max_registered_bytes = size_t{64} << 20;
+      o.access = access::kGrantPool;
+      o.thread_cache_buffers = 0;
+      auto pool = BufferPool::CreateForDevice(ctx_->device(), o);
+      if (pool.ok()) {
+        grant_pool_ = std::move(*pool);
+        grant_pool_failed_ = false;
+      } else {
+        RDMARPC_LOG(kWarn, "rdma", "event=grant_pool_unavailable peer=", peer_uri_, " error=", pool.status().ToString());
+      }
+    }
+    return grant_pool_.get();
+  }
+
+  // A type-2 window: an invalidated one of this connection's, or a new one.
+  absl::StatusOr<MwPtr> TakeWindow() {
+    if (free_windows_.empty()) return ctx_->device().AllocateType2Window();
+    MwPtr w = std::move(free_windows_.back());
+    free_windows_.pop_back();
+    return w;
+  }
+
+  // Memory for an incoming rendezvous message of `size` bytes: a grant-pool
+  // buffer and a window to bind over it when the CTS goes out, else an MR
+  // of its own (the pool at its cap, a window refused, or above 1 MiB).
+  absl::Status TakeGrantMemory(LargeIn& in, size_t size) {
+    in.size = size;
+    if (BufferPool* pool = GrantPool(); pool != nullptr && size <= pool->options().class_bytes.back()) {
+      auto b = pool->Acquire(size);
+      auto w = b.ok() ? TakeWindow() : absl::StatusOr<MwPtr>(b.status());
+      if (b.ok() && w.ok()) {
+        in.data = b->data().data();
+        in.pooled = std::move(*b);
+        in.window = std::move(*w);
+        ++stats_.grants_windowed;
+        return absl::OkStatus();
+      }
+      RDMARPC_LOG(kInfo, "rdma", "event=grant_registered peer=", peer_uri_, " bytes=", size, " reason=\"",
+                  (b.ok() ? w.status() : b.status()).ToString(), "\"");
+    }
+    auto buf = AllocateLarge(size, access::kRendezvousReceive);
+    if (!buf.ok()) return buf.status();
+    in.data = buf->memory.get();
+    in.rkey = buf->mr->rkey;
+    in.own = std::move(*buf);
+    ++stats_.rendezvous_receive_registrations;
+    return absl::OkStatus();
+  }
+
   absl::StatusOr<LargeBuffer> AllocateLarge(size_t size, int access) {
     LargeBuffer b;
     b.memory.reset(new (std::nothrow) std::byte[size]);
@@ -520,24 +603,33 @@ class RdmaConnectionImpl final : public std::enable_shared_from_this<RdmaConnect
   // ---- send path -------------------------------------------------------------
 
   // Posts one SEND of `slot` (header already there) covering `bytes`.
-  absl::Status PostSend(uint32_t slot, size_t bytes) {
+  // `before`, if any, is an unsignalled WR posted just ahead of it (a grant
+  // window's bind) in the same ibv_post_send; the SEND's completion retires both.
+  absl::Status PostSend(uint32_t slot, size_t bytes, ibv_send_wr* before = nullptr) {
     ibv_sge sge{reinterpret_cast<uint64_t>(SendSlot(slot)), static_cast<uint32_t>(bytes), slots_mr_->lkey};
-    return PostSendSges(slot, &sge, 1, bytes);
+    return PostSendSges(slot, &sge, 1, bytes, before);
   }
 
   // Posts one signalled SEND, accounted to `slot`, of `n` SGEs holding `bytes`
-  // in all (inline when they fit).
-  absl::Status PostSendSges(uint32_t slot, ibv_sge* sges, int n, size_t bytes) {
+  // in all (inline when they fit), after `before` if given (see PostSend).
+  absl::Status PostSendSges(uint32_t slot, ibv_sge* sges, int n, size_t bytes, ibv_send_wr* before = nullptr) {
+    const uint32_t wrs = before != nullptr ? 2 : 1;
     ibv_send_wr wr{};
-    wr.wr_id = MakeWrId(kWrSend, 1, slot);
+    wr.wr_id = MakeWrId(kWrSend, wrs, slot);
     wr.sg_list = sges;
     wr.num_sge = n;
     wr.opcode = IBV_WR_SEND;
     wr.send_flags = IBV_SEND_SIGNALED | (bytes <= max_inline_ ? IBV_SEND_INLINE : 0);
+    ibv_send_wr* first = &wr;
+    if (before != nullptr) {
+      before->next = &wr;
+      first = before;
+    }
     ibv_send_wr* bad = nullptr;
-    if (int rc = ibv_post_send(ep_->qp(), &wr, &bad); rc != 0) return ErrnoStatus(rc, "ibv_post_send(SEND)");
-    ++sq_used_;
-    ++stats_.wr_posted;
+    if (int rc = ibv_post_send(ep_->qp(), first, &bad); rc != 0)
+      return ErrnoStatus(rc, before != nullptr ? "ibv_post_send(BIND_MW + SEND)" : "ibv_post_send(SEND)");
+    sq_used_ += wrs;
+    stats_.wr_posted += wrs;
     return absl::OkStatus();
   }
 
@@ -550,8 +642,9 @@ class RdmaConnectionImpl final : public std::enable_shared_from_this<RdmaConnect
     return PostSendSges(slot, sge, bytes == 0 ? 1 : 2, wire::kHeaderSize + bytes);
   }
 
-  // Sends a header-only or header+grant control frame in a fresh slot.
-  absl::Status SendControl(wire::Header h, const wire::Grant* grant) {
+  // Sends a header-only or header+grant control frame in a fresh slot, after
+  // `before` (PostSend).
+  absl::Status SendControl(wire::Header h, const wire::Grant* grant, ibv_send_wr* before = nullptr) {
     uint32_t slot = free_send_slots_.back();
     free_send_slots_.pop_back();
     auto owed = ledger_->TakeOwed();
@@ -564,7 +657,7 @@ class RdmaConnectionImpl final : public std::enable_shared_from_this<RdmaConnect
       bytes += wire::kGrantSize;
     }
     slot_handlers_[slot] = nullptr;
-    return PostSend(slot, bytes);
+    return PostSend(slot, bytes, before);
   }
 
   // Moves queued operations onto the QP while credits, SQ room and slots
@@ -572,6 +665,12 @@ class RdmaConnectionImpl final : public std::enable_shared_from_this<RdmaConnect
   // (control_) go first and draw on ctrl credits: they must never wait behind
   // messages blocked on data credits (credits.h). Executor only.
   void Pump() {
+    // Revocations first: a completed message waits for its window's LOCAL_INV.
+    while (error_.ok() && !invalidations_.empty() && sq_used_ < opt_.send_depth) {
+      const uint64_t id = invalidations_.front();
+      invalidations_.pop_front();
+      if (auto st = PostInvalidate(id); !st.ok()) return Fail(st);
+    }
     while (error_.ok() && !control_.empty()) {
       absl::Status st;
       if (auto ready = PumpControl(control_.front(), st); !ready) break;
@@ -626,11 +725,33 @@ class RdmaConnectionImpl final : public std::enable_shared_from_this<RdmaConnect
   bool PumpControl(const PendingOp& op, absl::Status& st) {
     if (!ledger_->CanSendRendezvous()) return false;
     if (op.op == Op::kCts) {
-      if (sq_used_ >= opt_.send_depth || free_send_slots_.empty()) return false;
-      ledger_->ConsumeRendezvous();
       LargeIn& in = large_in_.at(op.id);
-      wire::Grant g{reinterpret_cast<uint64_t>(in.buffer.memory.get()), in.buffer.mr->rkey, in.grant_id};
-      st = SendControl({wire::Type::kCts, 0, 0, static_cast<uint32_t>(in.buffer.size), op.slot}, &g);
+      const uint32_t wrs = in.window ? 2 : 1;
+      if (sq_used_ + wrs > opt_.send_depth || free_send_slots_.empty()) return false;
+      ledger_->ConsumeRendezvous();
+      // A windowed grant: bind the window over exactly the granted bytes,
+      // remote write only, with a fresh key byte (so no earlier rkey of this
+      // window opens it), in the same post as the CTS and ahead of it: the
+      // QP executes them in order, so the window is open before the peer can
+      // learn its rkey.
+      ibv_send_wr bind{};
+      if (in.window) {
+        in.rkey = ibv_inc_rkey(in.window->rkey);
+        bind.wr_id = MakeWrId(kWrBind, 0, op.id);
+        bind.opcode = IBV_WR_BIND_MW;
+        bind.bind_mw.mw = in.window.get();
+        bind.bind_mw.rkey = in.rkey;
+        bind.bind_mw.bind_info.mr = in.pooled.memory_region();
+        bind.bind_mw.bind_info.addr = reinterpret_cast<uint64_t>(in.data);
+        bind.bind_mw.bind_info.length = in.size;
+        bind.bind_mw.bind_info.mw_access_flags = access::kGrantWindow;
+      }
+      wire::Grant g{reinterpret_cast<uint64_t>(in.data), in.rkey, in.grant_id};
+      st = SendControl({wire::Type::kCts, 0, 0, static_cast<uint32_t>(in.size), op.slot}, &g,
+                       in.window ? &bind : nullptr);
+      // The provider reads the window's current rkey from ibv_mw to name it
+      // in the bind; for type 2 keeping it current is the caller's job.
+      if (st.ok() && in.window) in.window->rkey = in.rkey;
       return true;
     }
     LargeOut& out = large_out_.at(op.id);
@@ -764,16 +885,14 @@ class RdmaConnectionImpl final : public std::enable_shared_from_this<RdmaConnect
     while (!deferred_rts_.empty() && MayHold(deferred_rts_.front().length)) {
       const DeferredRts d = deferred_rts_.front();
       deferred_rts_.pop_front();
-      auto buf = AllocateLarge(d.length, access::kRendezvousReceive);
-      if (!buf.ok()) {
-        Fail(buf.status());
+      LargeIn& in = large_in_.at(d.id);
+      if (auto st = TakeGrantMemory(in, d.length); !st.ok()) {
+        Fail(st);
         return;
       }
       // Grant ids are never reused on a connection (2^32 grants), so a stale
       // or guessed id cannot name a live grant by accident.
       const uint32_t grant_id = next_grant_id_++;
-      LargeIn& in = large_in_.at(d.id);
-      in.buffer = std::move(*buf);
       in.grant_id = grant_id;
       large_in_bytes_ += d.length;
       grants_.emplace(grant_id, d.id);
@@ -805,15 +924,37 @@ class RdmaConnectionImpl final : public std::enable_shared_from_this<RdmaConnect
                                                     " that is not live")));
       return;
     }
-    LargeIn& in = large_in_.at(git->second);
-    // Revoke: deregistering kills the rkey before anyone reads the data.
-    in.buffer.mr.reset();
-    in.complete = true;
+    const uint64_t id = git->second;
+    LargeIn& in = large_in_.at(id);
     grants_.erase(git);
     RepostAfterControl(slot, CreditLedger::Kind::kCtrl);
     ++stats_.messages_received;
-    stats_.bytes_received += in.buffer.size;
+    stats_.bytes_received += in.size;
+    // Revoke before anyone reads the data: a window is invalidated (the
+    // message is delivered when that LOCAL_INV completes, queued by Pump at
+    // the end of this batch); an MR of its own is deregistered now.
+    if (in.window) {
+      invalidations_.push_back(id);
+      return;
+    }
+    in.own.mr.reset();
+    in.complete = true;
     Deliver();
+  }
+
+  absl::Status PostInvalidate(uint64_t id) {
+    auto it = large_in_.find(id);
+    if (it == large_in_.end() || !it->second.window) return absl::OkStatus();
+    ibv_send_wr wr{};
+    wr.wr_id = MakeWrId(kWrInval, 1, id);
+    wr.opcode = IBV_WR_LOCAL_INV;
+    wr.send_flags = IBV_SEND_SIGNALED;
+    wr.invalidate_rkey = it->second.rkey;
+    ibv_send_wr* bad = nullptr;
+    if (int rc = ibv_post_send(ep_->qp(), &wr, &bad); rc != 0) return ErrnoStatus(rc, "ibv_post_send(LOCAL_INV)");
+    ++sq_used_;
+    ++stats_.wr_posted;
+    return absl::OkStatus();
   }
 
   // Hands ready messages, in arrival order, to waiting receivers.
@@ -826,7 +967,7 @@ class RdmaConnectionImpl final : public std::enable_shared_from_this<RdmaConnect
       if (e.large) {
         LargeIn& in = large_in_.at(e.index);
         if (!in.complete) break;
-        msg = Message({in.buffer.memory.get(), e.size}, this, MakeToken(kTokLargeIn, e.index));
+        msg = Message({in.data, e.size}, this, MakeToken(kTokLargeIn, e.index));
       } else {
         msg = Message({RecvSlot(static_cast<uint32_t>(e.index)) + wire::kHeaderSize, e.size}, this,
                       MakeToken(kTokRecvSlot, e.index));
@@ -879,6 +1020,17 @@ class RdmaConnectionImpl final : public std::enable_shared_from_this<RdmaConnect
           if (slot_handlers_[slot]) done_sends_.push_back(std::move(slot_handlers_[slot]));
           break;
         }
+        case kWrInval: {  // A grant window is shut: its message may be read.
+          sq_used_ -= WrCovered(wc.wr_id);
+          if (auto it = large_in_.find(WrIndex(wc.wr_id)); it != large_in_.end()) {
+            free_windows_.push_back(std::move(it->second.window));
+            it->second.complete = true;
+            Deliver();
+          }
+          break;
+        }
+        case kWrBind:  // Unsignalled: only errors complete, handled above.
+          break;
         case kWrWrite: {
           sq_used_ -= WrCovered(wc.wr_id);
           auto it = large_out_.find(WrIndex(wc.wr_id));
@@ -936,6 +1088,7 @@ class RdmaConnectionImpl final : public std::enable_shared_from_this<RdmaConnect
     control_.clear();
     grants_.clear();
     deferred_rts_.clear();
+    invalidations_.clear();
     FailReceivers();
     if (ep_) ep_->Disconnect();
     if (ep_) ep_->Cancel();
@@ -1014,6 +1167,12 @@ class RdmaConnectionImpl final : public std::enable_shared_from_this<RdmaConnect
   // Before large_out_: its buffers go back to the pool before the pool goes.
   std::unique_ptr<BufferPool> send_pool_;
   bool send_pool_failed_ = false;
+  // Before large_in_ and free_windows_: windows are unbound and buffers back
+  // before the pool's MRs are deregistered.
+  std::unique_ptr<BufferPool> grant_pool_;
+  bool grant_pool_failed_ = false;
+  std::vector<MwPtr> free_windows_;  // Invalidated, ready to bind again.
+  std::deque<uint64_t> invalidations_;  // large_in_ keys whose window awaits its LOCAL_INV.
   std::map<uint64_t, LargeOut> large_out_;
   std::map<uint64_t, LargeIn> large_in_;
   std::map<uint32_t, uint64_t> grants_;  // Live grant id -> large_in_ key.

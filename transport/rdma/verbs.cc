@@ -27,6 +27,7 @@ namespace detail {
 
 void PdDeleter::operator()(ibv_pd* p) const noexcept { RDMARPC_FREE_OR_LOG(ibv_dealloc_pd(p), "pd"); }
 void MrDeleter::operator()(ibv_mr* p) const noexcept { RDMARPC_FREE_OR_LOG(ibv_dereg_mr(p), "mr"); }
+void MwDeleter::operator()(ibv_mw* p) const noexcept { RDMARPC_FREE_OR_LOG(ibv_dealloc_mw(p), "mw"); }
 void CompChannelDeleter::operator()(ibv_comp_channel* p) const noexcept {
   RDMARPC_FREE_OR_LOG(ibv_destroy_comp_channel(p), "comp_channel");
 }
@@ -267,6 +268,17 @@ absl::StatusOr<MrPtr> Device::RegisterMemory(void* addr, size_t len, int access)
   if (err == ENOMEM || err == EPERM || err == EFAULT || err == EAGAIN)
     return absl::ResourceExhaustedError(absl::StrCat(st.message(), ". ", MemlockAdvice(len)));
   return st;
+}
+
+bool Device::SupportsType2Windows() const {
+  return (attr_.device_cap_flags & (IBV_DEVICE_MEM_WINDOW_TYPE_2A | IBV_DEVICE_MEM_WINDOW_TYPE_2B)) != 0 &&
+         attr_.max_mw > 0;
+}
+
+absl::StatusOr<MwPtr> Device::AllocateType2Window() const {
+  MwPtr mw(ibv_alloc_mw(pd_.get(), IBV_MW_TYPE_2));
+  if (!mw) return ErrnoStatus(errno, absl::StrCat("ibv_alloc_mw(type 2) on ", name_));
+  return mw;
 }
 
 absl::StatusOr<CompChannelPtr> CreateCompChannel(const Device& dev) {

@@ -29,6 +29,7 @@ namespace rdmarpc::rdma {
 namespace detail {
 struct PdDeleter { void operator()(ibv_pd* p) const noexcept; };
 struct MrDeleter { void operator()(ibv_mr* p) const noexcept; };
+struct MwDeleter { void operator()(ibv_mw* p) const noexcept; };
 struct CompChannelDeleter { void operator()(ibv_comp_channel* p) const noexcept; };
 struct CqDeleter { void operator()(ibv_cq* p) const noexcept; };
 struct SrqDeleter { void operator()(ibv_srq* p) const noexcept; };
@@ -43,6 +44,9 @@ struct DeviceListDeleter { void operator()(ibv_context** p) const noexcept; };
 
 using PdPtr = std::unique_ptr<ibv_pd, detail::PdDeleter>;
 using MrPtr = std::unique_ptr<ibv_mr, detail::MrDeleter>;
+// A memory window. Deallocating a bound window unbinds it; it must go before
+// the MR it is bound over (rxe refuses to deregister an MR with windows bound).
+using MwPtr = std::unique_ptr<ibv_mw, detail::MwDeleter>;
 using CompChannelPtr = std::unique_ptr<ibv_comp_channel, detail::CompChannelDeleter>;
 using CqPtr = std::unique_ptr<ibv_cq, detail::CqDeleter>;
 using SrqPtr = std::unique_ptr<ibv_srq, detail::SrqDeleter>;
@@ -94,6 +98,13 @@ class Device {
   // device, the size, errno, and -- for ENOMEM/EPERM/EFAULT -- RLIMIT_MEMLOCK's
   // value with how to raise it.
   absl::StatusOr<MrPtr> RegisterMemory(void* addr, size_t len, int access) const;
+
+  // Whether the device binds type-2 memory windows (IBV_DEVICE_MEM_WINDOW_TYPE_2A
+  // or 2B and max_mw > 0): rxe in Linux 6.1 does, so do ConnectX NICs.
+  bool SupportsType2Windows() const;
+  // A type-2 memory window in the device's PD, unbound. Bind it with an
+  // IBV_WR_BIND_MW work request on a QP of the same PD.
+  absl::StatusOr<MwPtr> AllocateType2Window() const;
 
  private:
   Device() = default;
