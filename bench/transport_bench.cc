@@ -7,6 +7,7 @@
 //                   [--iters=N] [--window=N] [--poll=event|adaptive|busy]
 //                   [--device=NAME] [--ip=ADDR] [--with-perftest] [--phase-ms=3000] [--spin]
 //                   [--rtc]   (busy/adaptive: run to completion, no poller thread)
+//                   [--grant-windows=1|0]  (rendezvous grants: windows over a pool, or an MR per message)
 //
 // Client and server run in one process on two threads, each with its own
 // io_context, so neither side's processing hides in the other's.
@@ -58,13 +59,14 @@ struct Flags {
   // dearer than real hardware.
   bool spin = false;
   bool rtc = false;  // RdmaOptions::run_to_completion
+  bool grant_windows = true;  // RdmaOptions::grant_windows
 };
 
 [[noreturn]] void Usage(const std::string& why) {
   std::fprintf(stderr,
                "transport_bench: %s\nusage: transport_bench [--transport=rdma,tcp] [--sizes=64,4096,...] "
                "[--iters=N] [--window=N] [--poll=event|adaptive|busy] [--device=NAME] [--ip=ADDR] "
-               "[--with-perftest] [--phase-ms=MS] [--spin] [--rtc]\n",
+               "[--with-perftest] [--phase-ms=MS] [--spin] [--rtc] [--grant-windows=1|0]\n",
                why.c_str());
   std::exit(2);
 }
@@ -108,6 +110,9 @@ Flags Parse(int argc, char** argv) {
       f.spin = true;
     } else if (key == "--rtc") {
       f.rtc = true;
+    } else if (key == "--grant-windows") {
+      if (val != "0" && val != "1") Usage("--grant-windows takes 1 (memory windows over a pool) or 0 (an MR per message)");
+      f.grant_windows = val == "1";
     } else if (key == "--with-perftest") {
       f.perftest = true;
     } else if (key == "--help" || key == "-h") {
@@ -260,6 +265,7 @@ absl::Status RunTransport(const std::string& name, const Flags& f, std::vector<R
   rdmarpc::rdma::RdmaOptions ro;
   ro.poll_mode = f.poll;
   ro.run_to_completion = f.rtc;
+  ro.grant_windows = f.grant_windows;
   if (name == "rdma") {
     auto c = rdmarpc::rdma::RdmaContext::Open({.name = f.device});
     if (!c.ok()) return c.status();
@@ -323,8 +329,9 @@ int main(int argc, char** argv) {
   g_spin = f.spin;
   std::vector<Row> rows;
   for (const auto& t : f.transports) {
-    std::fprintf(stderr, "== %s (poll=%s%s)\n", t.c_str(), rdmarpc::rdma::PollModeName(f.poll),
-                 f.rtc ? ", run to completion" : "");
+    std::fprintf(stderr, "== %s (poll=%s%s%s)\n", t.c_str(), rdmarpc::rdma::PollModeName(f.poll),
+                 f.rtc ? ", run to completion" : "",
+                 t == "rdma" ? (f.grant_windows ? ", grants: windows over a pool" : ", grants: an MR per message") : "");
     if (auto st = RunTransport(t, f, rows); !st.ok()) {
       std::fprintf(stderr, "transport_bench: %s: %s\n", t.c_str(), st.ToString().c_str());
       return 1;
