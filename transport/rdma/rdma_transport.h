@@ -112,7 +112,11 @@ struct RdmaOptions {
   // completion (ibv_reg_mr + ibv_dereg_mr, two syscalls that pin and unpin
   // pages). Either way a grant allows REMOTE_WRITE only, over exactly the
   // granted length, for one transfer (docs/transport.md).
-  bool grant_windows = true;
+  // Off by default for now: between two Soft-RoCE VMs, connections with
+  // windowed grants went silent mid-run (calls stuck until their deadlines,
+  // keepalive unanswered) in faults_rpc_netem and faults_rpc_poweroff, while
+  // every single-VM test passed. Until that is understood, windows are opt-in.
+  bool grant_windows = false;
   // Tests only (tests/rdma/rkey_attack_rdma_test.cc): called with every grant
   // this end receives, before it RDMA WRITEs into it; it may rewrite the grant
   // to play an attacker (an rkey it was not given, a guessed one, a grant
