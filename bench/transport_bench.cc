@@ -59,7 +59,7 @@ struct Flags {
   // dearer than real hardware.
   bool spin = false;
   bool rtc = false;  // RdmaOptions::run_to_completion
-  bool grant_windows = true;  // RdmaOptions::grant_windows
+  bool grant_windows = rdmarpc::rdma::RdmaOptions{}.grant_windows;  // --grant-windows; the library's default
 };
 
 [[noreturn]] void Usage(const std::string& why) {
