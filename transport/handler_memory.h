@@ -31,6 +31,14 @@ void* HandlerAllocate(std::size_t size, std::size_t align);
 void HandlerDeallocate(void* p, std::size_t size, std::size_t align) noexcept;
 }  // namespace detail
 
+// Makes room on the calling thread for `n` more small handlers (send, receive
+// and timer handlers) to be alive at once without a heap allocation: a
+// connection whose queues bound how many of its handlers can be outstanding
+// calls this on its executor's thread at setup, so that peaks reached only
+// when completions lag are served from the cache too. Not cumulative: the
+// cache for each small class is topped up to `n` blocks (in use or free).
+void ReserveHandlerMemory(unsigned n);
+
 template <typename T = void>
 class HandlerAllocator {
  public:

@@ -18,6 +18,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "transport/common/log.h"
+#include "transport/handler_memory.h"
 
 namespace rdmarpc::rdma {
 namespace {
@@ -146,9 +147,9 @@ class EventPoller final : public Poller {
     if (int rc = ibv_req_notify_cq(cq_, 0); rc != 0) return ErrnoStatus(rc, "ibv_req_notify_cq");
     // Completions that landed before the CQ was armed raise no event (the
     // peer may SEND the moment the connection is established): drain once.
-    asio::post(fd_.get_executor(), [this, box = box_] {
+    asio::post(fd_.get_executor(), transport::WithHandlerMemory([this, box = box_] {
       if (!box->stopped) DrainToEmpty();
-    });
+    }));
     Wait();
     return absl::OkStatus();
   }
@@ -166,11 +167,15 @@ class EventPoller final : public Poller {
 
  private:
   void Wait() {
+    // Handler memory, not Asio's recycling cache: that cache's two blocks are
+    // shared with every other default-allocated operation on the thread, so
+    // when another one held them this wait allocated (a heap allocation now
+    // and then in steady state, seen by rpc_alloc_rdma_test in CI).
     fd_.async_wait(asio::posix::descriptor_base::wait_read,
-                   [this, box = box_](boost::system::error_code ec) {
+                   transport::WithHandlerMemory([this, box = box_](boost::system::error_code ec) {
                      if (box->stopped || ec) return;
                      OnReadable();
-                   });
+                   }));
   }
 
   void OnReadable() {
@@ -189,9 +194,9 @@ class EventPoller final : public Poller {
   }
 
   void PostSpin() {
-    asio::post(fd_.get_executor(), [this, box = box_] {
+    asio::post(fd_.get_executor(), transport::WithHandlerMemory([this, box = box_] {
       if (!box->stopped) SpinPass();
-    });
+    }));
   }
 
   void SpinPass() {

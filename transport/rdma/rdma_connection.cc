@@ -18,6 +18,7 @@
 #include "transport/common/log.h"
 #include "transport/common/fifo.h"
 #include "transport/completion.h"
+#include "transport/handler_memory.h"
 #include "transport/rdma/access.h"
 #include "transport/rdma/buffer_pool.h"
 #include "transport/rdma/credits.h"
@@ -184,6 +185,10 @@ class RdmaConnectionImpl final : public std::enable_shared_from_this<RdmaConnect
     ledger_.emplace(hello->recv_data, hello->recv_ctrl, opt_.recv_depth, opt_.ctrl_depth);
     peer_max_message_ = hello->max_message;
     eager_to_peer_ = std::min<size_t>(eager_limit_, hello->recv_slot_bytes - wire::kHeaderSize);
+    // Each send slot can hold its sender's handler until the SEND completes,
+    // and a starved completer lets them pile up to that bound: make room for
+    // them now, so the steady state never meets a new peak on the heap.
+    transport::ReserveHandlerMemory(send_slots_ + 16);
 
     std::weak_ptr<RdmaConnectionImpl> weak = weak_from_this();
     Poller::Sink sink = [weak](std::span<const ibv_wc> wcs) {
