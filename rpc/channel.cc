@@ -661,6 +661,9 @@ void Channel::Impl::ArmKeepalive() {
         break;
       case internal::Keepalive::Action::kDead:
         ++self->stats_.keepalive_timeouts;
+        // What the connection was waiting for, for whoever reads the log.
+        RDMARPC_LOG(kWarn, "channel", "event=keepalive_timeout target=", self->target_, " ",
+                    transport::SummarizeStats(conn->c->stats()));
         self->ConnFailed(conn, UnavailableError(absl::StrCat("keepalive: nothing from the server within ",
                                                              self->options_.keepalive.timeout.count(),
                                                              " ms of a PING (its host is down or unreachable)")));

@@ -335,7 +335,8 @@ void Server::Impl::SweepKeepalive() {
     if (!conn->keepalive_dead) continue;
     ++stats_.keepalive_closed;
     RDMARPC_LOG(kWarn, "server", "event=keepalive_timeout conn=", conn->id, " peer=", conn->peer,
-                " calls=", conn->calls.size(), " action=close_connection");
+                " calls=", conn->calls.size(), " action=close_connection ",
+                transport::SummarizeStats(conn->c->stats()));
     CloseConn(conn, UnavailableError(absl::StrCat("keepalive: nothing from the client within ",
                                                   options_.keepalive.timeout.count(),
                                                   " ms of a PING (its host is down or unreachable)")));

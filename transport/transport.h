@@ -136,6 +136,11 @@ struct ConnectionStats {
   // largest class, 1 MiB, or the pool is at its cap).
   uint64_t grants_windowed = 0;
   uint64_t rendezvous_receive_registrations = 0;
+  // Work requests on the send queue not yet completed (signalled or not), and
+  // windowed grants written whose LOCAL_INV has not completed yet: what a
+  // connection that went silent was waiting for.
+  uint64_t send_queue_used = 0;
+  uint64_t invalidations_pending = 0;
   uint64_t rnr_errors = 0;           // IBV_WC_RNR_RETRY_EXC_ERR seen: 0 by design.
   uint64_t wc_errors = 0;            // Non-success completions of any other kind.
   // The queue pair's state as the device reports it, 1 + ibv_qp_state:
@@ -143,6 +148,10 @@ struct ConnectionStats {
   // is no QP (TCP, or after teardown).
   uint64_t qp_state = 0;
 };
+
+// One line of the counters that tell why a connection went quiet, for logs:
+// "messages_sent=.. messages_received=.. wr_posted=.. ...".
+std::string SummarizeStats(const ConnectionStats& s);
 
 using SendHandler = asio::any_completion_handler<void(absl::Status)>;
 using ReceiveHandler = asio::any_completion_handler<void(absl::StatusOr<Message>)>;

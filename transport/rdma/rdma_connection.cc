@@ -35,8 +35,9 @@ using transport::SendBuffer;
 using transport::SendHandler;
 
 // wr_id layout: kind (8 bits) | WRs covered by this completion (8 bits) | index (48 bits).
-// kWrBind (a grant window's BIND_MW) is unsignalled, retired by the CTS SEND
-// posted right after it; kWrInval (its LOCAL_INV) is signalled.
+// kWrBind (a grant window's BIND_MW) and kWrInval (its LOCAL_INV) are
+// signalled local operations, each posted alone on an idle send queue
+// (kLocalOpsAlone).
 enum WrKind : uint64_t { kWrSend = 1, kWrRecv = 2, kWrWrite = 3, kWrBind = 4, kWrInval = 5 };
 constexpr uint64_t MakeWrId(WrKind kind, uint64_t covered, uint64_t index) {
   return (static_cast<uint64_t>(kind) << 56) | (covered << 48) | index;
@@ -44,6 +45,20 @@ constexpr uint64_t MakeWrId(WrKind kind, uint64_t covered, uint64_t index) {
 constexpr WrKind WrKindOf(uint64_t id) { return static_cast<WrKind>(id >> 56); }
 constexpr uint64_t WrCovered(uint64_t id) { return (id >> 48) & 0xFF; }
 constexpr uint64_t WrIndex(uint64_t id) { return id & ((uint64_t{1} << 48) - 1); }
+
+// kLocalOpsAlone: a BIND_MW or LOCAL_INV is posted only when nothing else is
+// outstanding on the send queue, and nothing is posted behind it until it
+// completes. rxe (Linux 6.1) executes local operations when the requester
+// reaches them but completes them only when the completer reaches them in
+// order, and a retransmission rewinds the requester to the oldest uncompleted
+// WQE and executes everything from there again, local operations included
+// (req_retry skips "done" WQEs, the requester does not). A LOCAL_INV run twice
+// finds its window already free and dereferences the MR and QP it no longer
+// has; a BIND_MW run twice fails with a bind error. Between two VMs, where the
+// UDP wire does drop frames, windowed grants made connections go silent
+// (faults_rpc_netem, faults_rpc_poweroff in CI). Alone on an idle queue, a
+// signalled local operation is the head WQE when the completer runs, which it
+// is scheduled to at once, so no retry can reach it.
 
 // kNoHandlerAssign: Boost 1.81's any_completion_handler move *assignment*
 // copies its argument as an lvalue, which re-wraps the handler in itself
@@ -367,6 +382,8 @@ class RdmaConnectionImpl final : public std::enable_shared_from_this<RdmaConnect
     s.credits_available = ledger_ ? ledger_->data_credits() : 0;
     s.grants_live = grants_.size();
     s.rendezvous_bytes_held = large_in_bytes_;
+    s.send_queue_used = sq_used_;
+    s.invalidations_pending = invalidations_.size() + invalidations_posted_;
     if (send_pool_) s.send_pool_registered_bytes = send_pool_->Stats().registered_bytes;
     if (ep_ && ep_->qp() != nullptr) {
       ibv_qp_attr attr{};
@@ -441,6 +458,7 @@ class RdmaConnectionImpl final : public std::enable_shared_from_this<RdmaConnect
     size_t size = 0;
     uint32_t rkey = 0;
     uint32_t grant_id = 0;
+    bool bound = false;  // Its window's BIND_MW completed: the CTS may go.
     bool complete = false;
   };
   struct ReadyEntry {  // Messages in arrival order; rendezvous ones wait for their data.
@@ -608,33 +626,24 @@ class RdmaConnectionImpl final : public std::enable_shared_from_this<RdmaConnect
   // ---- send path -------------------------------------------------------------
 
   // Posts one SEND of `slot` (header already there) covering `bytes`.
-  // `before`, if any, is an unsignalled WR posted just ahead of it (a grant
-  // window's bind) in the same ibv_post_send; the SEND's completion retires both.
-  absl::Status PostSend(uint32_t slot, size_t bytes, ibv_send_wr* before = nullptr) {
+  absl::Status PostSend(uint32_t slot, size_t bytes) {
     ibv_sge sge{reinterpret_cast<uint64_t>(SendSlot(slot)), static_cast<uint32_t>(bytes), slots_mr_->lkey};
-    return PostSendSges(slot, &sge, 1, bytes, before);
+    return PostSendSges(slot, &sge, 1, bytes);
   }
 
   // Posts one signalled SEND, accounted to `slot`, of `n` SGEs holding `bytes`
-  // in all (inline when they fit), after `before` if given (see PostSend).
-  absl::Status PostSendSges(uint32_t slot, ibv_sge* sges, int n, size_t bytes, ibv_send_wr* before = nullptr) {
-    const uint32_t wrs = before != nullptr ? 2 : 1;
+  // in all (inline when they fit).
+  absl::Status PostSendSges(uint32_t slot, ibv_sge* sges, int n, size_t bytes) {
     ibv_send_wr wr{};
-    wr.wr_id = MakeWrId(kWrSend, wrs, slot);
+    wr.wr_id = MakeWrId(kWrSend, 1, slot);
     wr.sg_list = sges;
     wr.num_sge = n;
     wr.opcode = IBV_WR_SEND;
     wr.send_flags = IBV_SEND_SIGNALED | (bytes <= max_inline_ ? IBV_SEND_INLINE : 0);
-    ibv_send_wr* first = &wr;
-    if (before != nullptr) {
-      before->next = &wr;
-      first = before;
-    }
     ibv_send_wr* bad = nullptr;
-    if (int rc = ibv_post_send(ep_->qp(), first, &bad); rc != 0)
-      return ErrnoStatus(rc, before != nullptr ? "ibv_post_send(BIND_MW + SEND)" : "ibv_post_send(SEND)");
-    sq_used_ += wrs;
-    stats_.wr_posted += wrs;
+    if (int rc = ibv_post_send(ep_->qp(), &wr, &bad); rc != 0) return ErrnoStatus(rc, "ibv_post_send(SEND)");
+    ++sq_used_;
+    ++stats_.wr_posted;
     return absl::OkStatus();
   }
 
@@ -647,9 +656,8 @@ class RdmaConnectionImpl final : public std::enable_shared_from_this<RdmaConnect
     return PostSendSges(slot, sge, bytes == 0 ? 1 : 2, wire::kHeaderSize + bytes);
   }
 
-  // Sends a header-only or header+grant control frame in a fresh slot, after
-  // `before` (PostSend).
-  absl::Status SendControl(wire::Header h, const wire::Grant* grant, ibv_send_wr* before = nullptr) {
+  // Sends a header-only or header+grant control frame in a fresh slot.
+  absl::Status SendControl(wire::Header h, const wire::Grant* grant) {
     uint32_t slot = free_send_slots_.back();
     free_send_slots_.pop_back();
     auto owed = ledger_->TakeOwed();
@@ -662,7 +670,7 @@ class RdmaConnectionImpl final : public std::enable_shared_from_this<RdmaConnect
       bytes += wire::kGrantSize;
     }
     slot_handlers_[slot] = nullptr;
-    return PostSend(slot, bytes, before);
+    return PostSend(slot, bytes);
   }
 
   // Moves queued operations onto the QP while credits, SQ room and slots
@@ -670,15 +678,25 @@ class RdmaConnectionImpl final : public std::enable_shared_from_this<RdmaConnect
   // (control_) go first and draw on ctrl credits: they must never wait behind
   // messages blocked on data credits (credits.h). Executor only.
   void Pump() {
-    // Revocations first: a completed message waits for its window's LOCAL_INV.
-    while (error_.ok() && !invalidations_.empty() && sq_used_ < opt_.send_depth) {
+    // A local operation in flight is alone on the queue (kLocalOpsAlone).
+    if (local_op_posted_) return;
+    // Revocations first: a completed message waits for its window's LOCAL_INV,
+    // which waits for the queue to drain; nothing new goes on meanwhile.
+    if (error_.ok() && !invalidations_.empty()) {
+      if (sq_used_ > 0) return;
       const uint64_t id = invalidations_.front();
       invalidations_.pop_front();
       if (auto st = PostInvalidate(id); !st.ok()) return Fail(st);
+      if (local_op_posted_) return;
     }
     while (error_.ok() && !control_.empty()) {
       absl::Status st;
-      if (auto ready = PumpControl(control_.front(), st); !ready) break;
+      if (auto ready = PumpControl(control_.front(), st); !ready) {
+        if (!st.ok()) return Fail(st);
+        // A window to bind waits for the queue to drain: post nothing more.
+        if (waiting_to_bind_ || local_op_posted_) return;
+        break;
+      }
       control_.pop_front();
       if (!st.ok()) return Fail(st);
     }
@@ -728,37 +746,30 @@ class RdmaConnectionImpl final : public std::enable_shared_from_this<RdmaConnect
 
   // Posts one CTS or WRITE if credits and queue room allow; false = not yet.
   bool PumpControl(const PendingOp& op, absl::Status& st) {
-    if (!ledger_->CanSendRendezvous()) return false;
+    waiting_to_bind_ = false;
     if (op.op == Op::kCts) {
       LargeIn& in = large_in_.at(op.id);
-      const uint32_t wrs = in.window ? 2 : 1;
-      if (sq_used_ + wrs > opt_.send_depth || free_send_slots_.empty()) return false;
-      ledger_->ConsumeRendezvous();
-      // A windowed grant: bind the window over exactly the granted bytes,
-      // remote write only, with a fresh key byte (so no earlier rkey of this
-      // window opens it), in the same post as the CTS and ahead of it: the
-      // QP executes them in order, so the window is open before the peer can
-      // learn its rkey.
-      ibv_send_wr bind{};
-      if (in.window) {
-        in.rkey = ibv_inc_rkey(in.window->rkey);
-        bind.wr_id = MakeWrId(kWrBind, 0, op.id);
-        bind.opcode = IBV_WR_BIND_MW;
-        bind.bind_mw.mw = in.window.get();
-        bind.bind_mw.rkey = in.rkey;
-        bind.bind_mw.bind_info.mr = in.pooled.memory_region();
-        bind.bind_mw.bind_info.addr = reinterpret_cast<uint64_t>(in.data);
-        bind.bind_mw.bind_info.length = in.size;
-        bind.bind_mw.bind_info.mw_access_flags = access::kGrantWindow;
+      if (in.window && !in.bound) {
+        // A windowed grant: bind the window over exactly the granted bytes,
+        // remote write only, with a fresh key byte (so no earlier rkey of
+        // this window opens it), alone on an idle queue (kLocalOpsAlone); the
+        // CTS goes when the bind has completed, so the window is open before
+        // the peer can learn its rkey.
+        if (sq_used_ > 0) {
+          waiting_to_bind_ = true;
+          return false;
+        }
+        st = PostBind(op.id, in);
+        return false;  // the CTS waits for the bind's completion
       }
+      if (!ledger_->CanSendRendezvous()) return false;
+      if (sq_used_ + 1 > opt_.send_depth || free_send_slots_.empty()) return false;
+      ledger_->ConsumeRendezvous();
       wire::Grant g{reinterpret_cast<uint64_t>(in.data), in.rkey, in.grant_id};
-      st = SendControl({wire::Type::kCts, 0, 0, static_cast<uint32_t>(in.size), op.slot}, &g,
-                       in.window ? &bind : nullptr);
-      // The provider reads the window's current rkey from ibv_mw to name it
-      // in the bind; for type 2 keeping it current is the caller's job.
-      if (st.ok() && in.window) in.window->rkey = in.rkey;
+      st = SendControl({wire::Type::kCts, 0, 0, static_cast<uint32_t>(in.size), op.slot}, &g);
       return true;
     }
+    if (!ledger_->CanSendRendezvous()) return false;
     LargeOut& out = large_out_.at(op.id);
     const size_t chunks = (out.size + max_write_chunk_ - 1) / max_write_chunk_;
     if (chunks > 255 || chunks > opt_.send_depth) {
@@ -947,6 +958,30 @@ class RdmaConnectionImpl final : public std::enable_shared_from_this<RdmaConnect
     Deliver();
   }
 
+  absl::Status PostBind(uint64_t id, LargeIn& in) {
+    const uint32_t rkey = ibv_inc_rkey(in.window->rkey);
+    ibv_send_wr bind{};
+    bind.wr_id = MakeWrId(kWrBind, 1, id);
+    bind.opcode = IBV_WR_BIND_MW;
+    bind.send_flags = IBV_SEND_SIGNALED;
+    bind.bind_mw.mw = in.window.get();
+    bind.bind_mw.rkey = rkey;
+    bind.bind_mw.bind_info.mr = in.pooled.memory_region();
+    bind.bind_mw.bind_info.addr = reinterpret_cast<uint64_t>(in.data);
+    bind.bind_mw.bind_info.length = in.size;
+    bind.bind_mw.bind_info.mw_access_flags = access::kGrantWindow;
+    ibv_send_wr* bad = nullptr;
+    if (int rc = ibv_post_send(ep_->qp(), &bind, &bad); rc != 0) return ErrnoStatus(rc, "ibv_post_send(BIND_MW)");
+    // The provider reads the window's current rkey from ibv_mw to name it in
+    // the bind; for type 2 keeping it current is the caller's job.
+    in.window->rkey = rkey;
+    in.rkey = rkey;
+    ++sq_used_;
+    ++stats_.wr_posted;
+    local_op_posted_ = true;
+    return absl::OkStatus();
+  }
+
   absl::Status PostInvalidate(uint64_t id) {
     auto it = large_in_.find(id);
     if (it == large_in_.end() || !it->second.window) return absl::OkStatus();
@@ -958,7 +993,9 @@ class RdmaConnectionImpl final : public std::enable_shared_from_this<RdmaConnect
     ibv_send_wr* bad = nullptr;
     if (int rc = ibv_post_send(ep_->qp(), &wr, &bad); rc != 0) return ErrnoStatus(rc, "ibv_post_send(LOCAL_INV)");
     ++sq_used_;
+    ++invalidations_posted_;
     ++stats_.wr_posted;
+    local_op_posted_ = true;
     return absl::OkStatus();
   }
 
@@ -1027,6 +1064,8 @@ class RdmaConnectionImpl final : public std::enable_shared_from_this<RdmaConnect
         }
         case kWrInval: {  // A grant window is shut: its message may be read.
           sq_used_ -= WrCovered(wc.wr_id);
+          --invalidations_posted_;
+          local_op_posted_ = false;
           if (auto it = large_in_.find(WrIndex(wc.wr_id)); it != large_in_.end()) {
             free_windows_.push_back(std::move(it->second.window));
             it->second.complete = true;
@@ -1034,7 +1073,10 @@ class RdmaConnectionImpl final : public std::enable_shared_from_this<RdmaConnect
           }
           break;
         }
-        case kWrBind:  // Unsignalled: only errors complete, handled above.
+        case kWrBind:  // The window is open: its CTS may go (Pump, below).
+          sq_used_ -= WrCovered(wc.wr_id);
+          local_op_posted_ = false;
+          if (auto it = large_in_.find(WrIndex(wc.wr_id)); it != large_in_.end()) it->second.bound = true;
           break;
         case kWrWrite: {
           sq_used_ -= WrCovered(wc.wr_id);
@@ -1178,6 +1220,9 @@ class RdmaConnectionImpl final : public std::enable_shared_from_this<RdmaConnect
   bool grant_pool_failed_ = false;
   std::vector<MwPtr> free_windows_;  // Invalidated, ready to bind again.
   std::deque<uint64_t> invalidations_;  // large_in_ keys whose window awaits its LOCAL_INV.
+  uint32_t invalidations_posted_ = 0;   // LOCAL_INVs on the SQ, not completed.
+  bool local_op_posted_ = false;        // A BIND_MW or LOCAL_INV is on the SQ, alone (kLocalOpsAlone).
+  bool waiting_to_bind_ = false;        // The next CTS's window waits for the SQ to drain.
   std::map<uint64_t, LargeOut> large_out_;
   std::map<uint64_t, LargeIn> large_in_;
   std::map<uint32_t, uint64_t> grants_;  // Live grant id -> large_in_ key.
