@@ -52,10 +52,11 @@ using Clock = std::chrono::steady_clock;
 
 [[noreturn]] void Usage(const std::string& why) {
   std::fprintf(stderr,
-               "fault_rpc: %s\nusage: fault_rpc serve --listen=URI [--keepalive-ms=INTERVAL,TIMEOUT]\n"
+               "fault_rpc: %s\nusage: fault_rpc serve --listen=URI [--keepalive-ms=INTERVAL,TIMEOUT] [--grant-windows=0|1]\n"
                "       fault_rpc drive --target=URI --calls=N [--concurrency=C] [--sizes=LIST] [--deadline-ms=D]\n"
                "                       [--bound-ms=B] [--label=TEXT] [--expect=ok|any] [--keepalive-ms=I,T]\n"
-               "                       [--stop-on-failure] [--server-gone] [--until-file=PATH]\n",
+               "                       [--stop-on-failure] [--server-gone] [--until-file=PATH]\n"
+               "                       [--grant-windows=0|1]\n",
                why.c_str());
   std::exit(2);
 }
@@ -113,6 +114,15 @@ void KeepaliveFlag(const std::map<std::string, std::string>& f, KeepaliveOptions
   k.timeout = std::chrono::milliseconds(timeout);
 }
 
+// --grant-windows=0|1 (absent: the library's default): rendezvous grants
+// through type-2 memory windows over the grant pool, or an MR per message.
+void GrantWindowsFlag(const std::map<std::string, std::string>& f, TransportOptions& t) {
+  auto it = f.find("grant-windows");
+  if (it == f.end()) return;
+  if (it->second != "0" && it->second != "1") Usage("--grant-windows takes 0 or 1");
+  t.rdma.grant_windows = it->second == "1";
+}
+
 int Serve(const std::map<std::string, std::string>& f) {
   auto it = f.find("listen");
   if (it == f.end()) Usage("serve needs --listen=URI");
@@ -121,6 +131,7 @@ int Serve(const std::map<std::string, std::string>& f) {
   ServerOptions so;
   so.listen = {it->second};
   KeepaliveFlag(f, so.keepalive);
+  GrantWindowsFlag(f, so.transport);
   auto server = std::make_shared<Server>(io.get_executor(), so);
   if (auto st = server->AddService(service); !st.ok()) {
     std::fprintf(stderr, "fault_rpc: %s\n", st.ToString().c_str());
@@ -172,6 +183,7 @@ int Drive(const std::map<std::string, std::string>& f) {
   asio::io_context io;
   ChannelOptions co;
   KeepaliveFlag(f, co.keepalive);
+  GrantWindowsFlag(f, co.transport);
   auto channel = Channel::Create(io.get_executor(), target, co);
   if (!channel.ok()) {
     std::fprintf(stderr, "fault_rpc: %s\n", channel.status().ToString().c_str());

@@ -10,6 +10,8 @@
 #
 #   rpc_netem.sh path/to/tools/rxe-vm path/to/fault_rpc [CALLS [full]]   (host side: boots the VMs)
 #   rpc_netem.sh --side a|b path/to/fault_rpc CALLS [full]               (inside the VMs)
+# FAULT_RPC_EXTRA (host side) is added to both fault_rpc commands, e.g.
+# FAULT_RPC_EXTRA=--grant-windows=1 to run the rounds with windowed grants.
 set -euo pipefail
 
 if [ "${1:-}" != --side ]; then
@@ -22,8 +24,8 @@ if [ "${1:-}" != --side ]; then
   trap 'rm -f "$log"' EXIT
   rc=0
   "$rxe_vm" --hosts 2 --timeout 2200 \
-    --a "bash $(printf %q "$self") --side a $(printf %q "$fault_rpc") $calls $full" \
-    --b "bash $(printf %q "$self") --side b $(printf %q "$fault_rpc") $calls $full" 2>&1 | tee "$log" || rc=$?
+    --a "FAULT_RPC_EXTRA=$(printf %q "${FAULT_RPC_EXTRA:-}") bash $(printf %q "$self") --side a $(printf %q "$fault_rpc") $calls $full" \
+    --b "FAULT_RPC_EXTRA=$(printf %q "${FAULT_RPC_EXTRA:-}") bash $(printf %q "$self") --side b $(printf %q "$fault_rpc") $calls $full" 2>&1 | tee "$log" || rc=$?
   echo
   echo "faults_rpc_netem: summary"
   grep -E '^\[[ab]\] (fault-rpc|rpc-netem):' "$log" || true
@@ -55,7 +57,7 @@ fail() {
 . "$(dirname "$0")/common.sh"
 
 if [ "$side" = b ]; then
-  "$fault_rpc" serve --listen="rdma://$RXE_VM_SELF_IP:$port" --keepalive-ms="$keepalive" >"$ctl/b-server.log" 2>&1 &
+  "$fault_rpc" serve --listen="rdma://$RXE_VM_SELF_IP:$port" --keepalive-ms="$keepalive" ${FAULT_RPC_EXTRA:-} >"$ctl/b-server.log" 2>&1 &
   pid=$!
   wait_listening "$port" "$pid" "$ctl/b-server.log"
   touch "$ctl/rpc-netem-ready"
@@ -78,7 +80,7 @@ round() {  # round LABEL SIZES NETEM-ARGS...
   if [ $# -gt 0 ]; then tc qdisc add dev "$nic" root netem "$@" || fail "tc netem $* failed"; fi
   local rc=0
   "$fault_rpc" drive --target="$target" --calls="$calls" --concurrency=8 --deadline-ms=30000 --bound-ms=2000 \
-               --sizes="$sizes" --label="$label" --expect=ok --keepalive-ms="$keepalive" || rc=$?
+               --sizes="$sizes" --label="$label" --expect=ok --keepalive-ms="$keepalive" ${FAULT_RPC_EXTRA:-} || rc=$?
   if [ $# -gt 0 ]; then
     tc -s qdisc show dev "$nic" | sed -n 's/.*\(Sent .*dropped [0-9]*\).*/rpc-netem: '"$label"' netem: \1/p' | head -n1
     tc qdisc del dev "$nic" root || true
