@@ -105,18 +105,15 @@ struct RdmaOptions {
   size_t max_rendezvous_bytes_held = size_t{64} << 20;
   // Grant rendezvous receives from a pool of pre-registered memory, opening
   // exactly the granted bytes with a type-2 memory window that is bound for
-  // the grant (a BIND_MW work request posted just ahead of the CTS, no
-  // syscall) and invalidated (LOCAL_INV) when the transfer completes, before
-  // the message is delivered. Off, or on a device without type-2 windows,
-  // every grant is an MR registered for that message and deregistered at
-  // completion (ibv_reg_mr + ibv_dereg_mr, two syscalls that pin and unpin
-  // pages). Either way a grant allows REMOTE_WRITE only, over exactly the
-  // granted length, for one transfer (docs/transport.md).
-  // Off by default for now: between two Soft-RoCE VMs, connections with
-  // windowed grants went silent mid-run (calls stuck until their deadlines,
-  // keepalive unanswered) in faults_rpc_netem and faults_rpc_poweroff, while
-  // every single-VM test passed. Until that is understood, windows are opt-in.
-  bool grant_windows = false;
+  // the grant (a BIND_MW work request, no syscall, posted alone on an idle
+  // send queue; the CTS follows its completion) and invalidated (LOCAL_INV,
+  // likewise alone) when the transfer completes, before the message is
+  // delivered. Off, or on a device without type-2 windows, every grant is an
+  // MR registered for that message and deregistered at completion
+  // (ibv_reg_mr + ibv_dereg_mr, two syscalls that pin and unpin pages).
+  // Either way a grant allows REMOTE_WRITE only, over exactly the granted
+  // length, for one transfer (docs/transport.md, "Rendezvous grants").
+  bool grant_windows = true;
   // Tests only (tests/rdma/rkey_attack_rdma_test.cc): called with every grant
   // this end receives, before it RDMA WRITEs into it; it may rewrite the grant
   // to play an attacker (an rkey it was not given, a guessed one, a grant
