@@ -606,6 +606,9 @@ TEST(RdmaTransportGrants, GrantsAreWindowsOverPooledMemoryNotRegistrations) {
       EXPECT_EQ(st.grants_live, 0u);
       EXPECT_EQ(st.wc_errors, 0u);
       EXPECT_EQ(st.grants_windowed, windows ? n : 0u);
+      // Idle again: every work request and every window's LOCAL_INV completed.
+      EXPECT_EQ(st.send_queue_used, 0u);
+      EXPECT_EQ(st.invalidations_pending, 0u);
     }
     EXPECT_EQ(p.server->stats().rendezvous_receive_registrations, windows ? 1u : n + 1);
     EXPECT_EQ(p.client->stats().rendezvous_receive_registrations, windows ? 0u : n);

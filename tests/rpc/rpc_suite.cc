@@ -810,11 +810,21 @@ TEST_P(RpcSuite, ChannelKeepaliveFailsCallsToAServerThatAnswersNoPing) {
   ClientContext ctx;
   ctx.set_timeout(std::chrono::seconds(50));
   const auto start = Clock::now();
+  ::testing::internal::CaptureStderr();
   auto [code, resp] = Sync<Payload>([&](auto t) { return stub.async_Echo(ctx, Payload(), t); });
+  const std::string log = ::testing::internal::GetCapturedStderr();
   EXPECT_EQ(code, StatusCode::kUnavailable) << ctx.status().ToString();
   EXPECT_NE(ctx.status().message().find("keepalive"), std::string::npos) << ctx.status().ToString();
   EXPECT_LT(Clock::now() - start, std::chrono::seconds(10)) << "the call waited for its deadline";
   EXPECT_EQ(env.OnIo([&] { return channel->stats().keepalive_timeouts; }), 1u);
+  // The warning says what the dead connection was waiting for: its counters,
+  // and on RDMA its queue (whoever reads the log after a stall needs them).
+  EXPECT_NE(log.find("event=keepalive_timeout"), std::string::npos) << log;
+  EXPECT_NE(log.find("messages_sent="), std::string::npos) << log;
+  if (GetParam().listen_uri.rfind("rdma", 0) == 0) {
+    EXPECT_NE(log.find(" send_queue_used="), std::string::npos) << log;
+    EXPECT_NE(log.find(" credits_available="), std::string::npos) << log;
+  }
   env.OnIo([&] {
     channel->Close();
     if (accepted) accepted->Close();
