@@ -66,6 +66,11 @@ if [ "$side" = b ]; then
   # client vanished without its disconnect reaching b (netem ate it).
   stop_server "$pid"
   echo "rpc-netem: server exited after SIGTERM"
+  # What the server saw go wrong (keepalive deaths with the connection's
+  # counters, failed work completions), even when only a's round failed.
+  warnings=$(grep -c -E 'level=(warn|error)' "$ctl/b-server.log" || true)
+  echo "rpc-netem: server logged ${warnings:-0} warnings/errors"
+  grep -E 'level=(warn|error)' "$ctl/b-server.log" | tail -n 20 | sed 's/^/rpc-netem: server: /' || true
   exit 0
 fi
 
