@@ -383,7 +383,7 @@ class RdmaConnectionImpl final : public std::enable_shared_from_this<RdmaConnect
     s.grants_live = grants_.size();
     s.rendezvous_bytes_held = large_in_bytes_;
     s.send_queue_used = sq_used_;
-    s.invalidations_pending = invalidations_.size() + invalidations_posted_;
+    s.invalidations_pending = invalidations_.size() + (local_op_ == LocalOp::kInvalidate ? 1 : 0);
     if (send_pool_) s.send_pool_registered_bytes = send_pool_->Stats().registered_bytes;
     if (ep_ && ep_->qp() != nullptr) {
       ibv_qp_attr attr{};
@@ -679,7 +679,7 @@ class RdmaConnectionImpl final : public std::enable_shared_from_this<RdmaConnect
   // messages blocked on data credits (credits.h). Executor only.
   void Pump() {
     // A local operation in flight is alone on the queue (kLocalOpsAlone).
-    if (local_op_posted_) return;
+    if (local_op_ != LocalOp::kNone) return;
     // Revocations first: a completed message waits for its window's LOCAL_INV,
     // which waits for the queue to drain; nothing new goes on meanwhile.
     if (error_.ok() && !invalidations_.empty()) {
@@ -687,14 +687,15 @@ class RdmaConnectionImpl final : public std::enable_shared_from_this<RdmaConnect
       const uint64_t id = invalidations_.front();
       invalidations_.pop_front();
       if (auto st = PostInvalidate(id); !st.ok()) return Fail(st);
-      if (local_op_posted_) return;
+      if (local_op_ != LocalOp::kNone) return;
     }
     while (error_.ok() && !control_.empty()) {
       absl::Status st;
-      if (auto ready = PumpControl(control_.front(), st); !ready) {
+      const Pumped pumped = PumpControl(control_.front(), st);
+      if (pumped != Pumped::kPosted) {
         if (!st.ok()) return Fail(st);
-        // A window to bind waits for the queue to drain: post nothing more.
-        if (waiting_to_bind_ || local_op_posted_) return;
+        // A window's bind is posted or waits for the queue to drain: post nothing more.
+        if (pumped == Pumped::kHoldQueue) return;
         break;
       }
       control_.pop_front();
@@ -744,9 +745,11 @@ class RdmaConnectionImpl final : public std::enable_shared_from_this<RdmaConnect
     stats_.eager_bytes += op.size;
   }
 
-  // Posts one CTS or WRITE if credits and queue room allow; false = not yet.
-  bool PumpControl(const PendingOp& op, absl::Status& st) {
-    waiting_to_bind_ = false;
+  // Posts one CTS or WRITE if credits and queue room allow. kHoldQueue: the
+  // CTS's window is being bound, or waits for the queue to drain to be bound
+  // (kLocalOpsAlone), and nothing else may be posted meanwhile.
+  enum class Pumped { kPosted, kNotYet, kHoldQueue };
+  Pumped PumpControl(const PendingOp& op, absl::Status& st) {
     if (op.op == Op::kCts) {
       LargeIn& in = large_in_.at(op.id);
       if (in.window && !in.bound) {
@@ -755,33 +758,29 @@ class RdmaConnectionImpl final : public std::enable_shared_from_this<RdmaConnect
         // this window opens it), alone on an idle queue (kLocalOpsAlone); the
         // CTS goes when the bind has completed, so the window is open before
         // the peer can learn its rkey.
-        if (sq_used_ > 0) {
-          waiting_to_bind_ = true;
-          return false;
-        }
-        st = PostBind(op.id, in);
-        return false;  // the CTS waits for the bind's completion
+        if (sq_used_ == 0) st = PostBind(op.id, in);
+        return Pumped::kHoldQueue;  // the CTS waits for the bind's completion
       }
-      if (!ledger_->CanSendRendezvous()) return false;
-      if (sq_used_ + 1 > opt_.send_depth || free_send_slots_.empty()) return false;
+      if (!ledger_->CanSendRendezvous()) return Pumped::kNotYet;
+      if (sq_used_ + 1 > opt_.send_depth || free_send_slots_.empty()) return Pumped::kNotYet;
       ledger_->ConsumeRendezvous();
       wire::Grant g{reinterpret_cast<uint64_t>(in.data), in.rkey, in.grant_id};
       st = SendControl({wire::Type::kCts, 0, 0, static_cast<uint32_t>(in.size), op.slot}, &g);
-      return true;
+      return Pumped::kPosted;
     }
-    if (!ledger_->CanSendRendezvous()) return false;
+    if (!ledger_->CanSendRendezvous()) return Pumped::kNotYet;
     LargeOut& out = large_out_.at(op.id);
     const size_t chunks = (out.size + max_write_chunk_ - 1) / max_write_chunk_;
     if (chunks > 255 || chunks > opt_.send_depth) {
       st = absl::InvalidArgumentError(absl::StrCat("a ", out.size, "-byte message needs ", chunks,
                                                    " RDMA WRITE chunks; at most min(255, send_depth=",
                                                    opt_.send_depth, ") fit"));
-      return true;
+      return Pumped::kPosted;
     }
-    if (sq_used_ + chunks > opt_.send_depth) return false;
+    if (sq_used_ + chunks > opt_.send_depth) return Pumped::kNotYet;
     ledger_->ConsumeRendezvous();  // WRITE_WITH_IMM consumes one of the peer's ctrl RECVs.
     st = PostWrites(op.id, out, chunks);
-    return true;
+    return Pumped::kPosted;
   }
 
   absl::Status PostWrites(uint64_t id, LargeOut& out, size_t chunks) {
@@ -978,7 +977,7 @@ class RdmaConnectionImpl final : public std::enable_shared_from_this<RdmaConnect
     in.rkey = rkey;
     ++sq_used_;
     ++stats_.wr_posted;
-    local_op_posted_ = true;
+    local_op_ = LocalOp::kBind;
     return absl::OkStatus();
   }
 
@@ -993,9 +992,8 @@ class RdmaConnectionImpl final : public std::enable_shared_from_this<RdmaConnect
     ibv_send_wr* bad = nullptr;
     if (int rc = ibv_post_send(ep_->qp(), &wr, &bad); rc != 0) return ErrnoStatus(rc, "ibv_post_send(LOCAL_INV)");
     ++sq_used_;
-    ++invalidations_posted_;
     ++stats_.wr_posted;
-    local_op_posted_ = true;
+    local_op_ = LocalOp::kInvalidate;
     return absl::OkStatus();
   }
 
@@ -1064,8 +1062,7 @@ class RdmaConnectionImpl final : public std::enable_shared_from_this<RdmaConnect
         }
         case kWrInval: {  // A grant window is shut: its message may be read.
           sq_used_ -= WrCovered(wc.wr_id);
-          --invalidations_posted_;
-          local_op_posted_ = false;
+          local_op_ = LocalOp::kNone;
           if (auto it = large_in_.find(WrIndex(wc.wr_id)); it != large_in_.end()) {
             free_windows_.push_back(std::move(it->second.window));
             it->second.complete = true;
@@ -1075,7 +1072,7 @@ class RdmaConnectionImpl final : public std::enable_shared_from_this<RdmaConnect
         }
         case kWrBind:  // The window is open: its CTS may go (Pump, below).
           sq_used_ -= WrCovered(wc.wr_id);
-          local_op_posted_ = false;
+          local_op_ = LocalOp::kNone;
           if (auto it = large_in_.find(WrIndex(wc.wr_id)); it != large_in_.end()) it->second.bound = true;
           break;
         case kWrWrite: {
@@ -1220,9 +1217,8 @@ class RdmaConnectionImpl final : public std::enable_shared_from_this<RdmaConnect
   bool grant_pool_failed_ = false;
   std::vector<MwPtr> free_windows_;  // Invalidated, ready to bind again.
   std::deque<uint64_t> invalidations_;  // large_in_ keys whose window awaits its LOCAL_INV.
-  uint32_t invalidations_posted_ = 0;   // LOCAL_INVs on the SQ, not completed.
-  bool local_op_posted_ = false;        // A BIND_MW or LOCAL_INV is on the SQ, alone (kLocalOpsAlone).
-  bool waiting_to_bind_ = false;        // The next CTS's window waits for the SQ to drain.
+  enum class LocalOp : uint8_t { kNone, kBind, kInvalidate };
+  LocalOp local_op_ = LocalOp::kNone;  // On the SQ, alone (kLocalOpsAlone).
   std::map<uint64_t, LargeOut> large_out_;
   std::map<uint64_t, LargeIn> large_in_;
   std::map<uint32_t, uint64_t> grants_;  // Live grant id -> large_in_ key.
