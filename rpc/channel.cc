@@ -582,6 +582,7 @@ void Channel::Impl::OnConnected(absl::StatusOr<std::unique_ptr<Connection>> resu
   }
   if (!result.ok()) {
     ++stats_.connect_failures;
+    ForgetRemovedRdmaContext(options_.transport);
     // A refusal for a reason the caller must act on keeps its code (a wrong
     // auth token is UNAUTHENTICATED, not a transient UNAVAILABLE).
     const auto code = result.status().code();
@@ -784,6 +785,9 @@ void Channel::Impl::ConnFailed(const std::shared_ptr<Conn>& conn, const Status& 
   conn->c->Close();
   RDMARPC_LOG(kWarn, "channel", "event=disconnected target=", target_, " peer=", *conn->peer, " error=\"",
               why.ToString(), "\" calls_failed=", conn->calls);
+  // Its RDMA device was removed: let go of the context now (the kernel's
+  // removal waits for every holder); the next connect opens a new one.
+  ForgetRemovedRdmaContext(options_.transport);
   if (conn_ == conn) {
     conn_.reset();
     // Lost a working connection: the next call reconnects at once (a refused

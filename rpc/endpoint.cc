@@ -1,6 +1,7 @@
 #include "rpc/endpoint.h"
 
 #include "rpc/status.h"
+#include "transport/common/log.h"
 #include "transport/completion.h"
 
 namespace rdmarpc {
@@ -20,8 +21,17 @@ rdma::RdmaOptions RdmaFor(const TransportOptions& options) {
 
 }  // namespace
 
+bool ForgetRemovedRdmaContext(TransportOptions& options) {
+  if (!options.rdma_context || !options.rdma_context->removed()) return false;
+  RDMARPC_LOG(kWarn, "rdma", "event=context_dropped device=", options.rdma_context->device().name(),
+              " reason=\"device removed\" action=\"reopen on the next connect or listen\"");
+  options.rdma_context.reset();
+  return true;
+}
+
 absl::StatusOr<std::shared_ptr<rdma::RdmaContext>> RdmaContextFor(TransportOptions& options,
                                                                   const std::string& local_ip) {
+  ForgetRemovedRdmaContext(options);
   if (options.rdma_context) return options.rdma_context;
   rdma::DeviceSelector selector = options.rdma_device;
   const bool unspecified = local_ip.empty() || local_ip == "0.0.0.0" || local_ip == "::";

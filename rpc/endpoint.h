@@ -39,6 +39,13 @@ struct TransportOptions {
 absl::StatusOr<std::shared_ptr<rdma::RdmaContext>> RdmaContextFor(TransportOptions& options,
                                                                   const std::string& local_ip);
 
+// When options.rdma_context's device was removed (RdmaContext::removed()),
+// lets go of it, so that the kernel's removal is not kept waiting by this
+// reference and the next RdmaContextFor opens the device afresh (chosen by
+// rdma_device or the address, as the first time); true if it did. Channel and
+// Server call it when a connection or listener reports the removal.
+bool ForgetRemovedRdmaContext(TransportOptions& options);
+
 absl::StatusOr<std::unique_ptr<transport::Listener>> ListenOn(asio::any_io_executor ex,
                                                              const transport::Uri& uri,
                                                              TransportOptions& options);

@@ -135,6 +135,9 @@ class Server::Impl : public std::enable_shared_from_this<Impl> {
   };
 
   void Accept(transport::Listener* listener);
+  // listeners_[index] broke (its RDMA device was removed): listen on its URI
+  // again every second until the device is back.
+  void Relisten(size_t index, int attempt);
   void Receive(std::shared_ptr<Conn> conn);
   void OnReceive(const std::shared_ptr<Conn>& conn, absl::StatusOr<Message> message);
   void OnRequest(const std::shared_ptr<Conn>& conn, Message message, const rpc::DecodedFrame& f);
@@ -351,6 +354,17 @@ void Server::Impl::Accept(transport::Listener* listener) {
     }
     if (!c.ok()) {
       if (c.status().code() == absl::StatusCode::kCancelled) return;  // listener closed
+      if (listener->broken()) {
+        // Its device went away. The listener has let go of the device
+        // already; so does this server's context, so that the kernel can
+        // finish removing it. Connections on it fail on their own.
+        RDMARPC_LOG(kWarn, "server", "event=listener_lost uri=", listener->local_uri(), " error=\"",
+                    c.status().ToString(), "\" action=\"listen again every 1 s\"");
+        ForgetRemovedRdmaContext(self->options_.transport);
+        for (size_t i = 0; i < self->listeners_.size(); ++i)
+          if (self->listeners_[i].get() == listener) self->Relisten(i, 1);
+        return;
+      }
       // A client whose handshake failed: that client's problem, keep serving.
       RDMARPC_LOG(kWarn, "server", "event=accept_failed error=\"", c.status().ToString(), "\"");
       self->Accept(listener);
@@ -374,6 +388,34 @@ void Server::Impl::Accept(transport::Listener* listener) {
     RDMARPC_LOG(kInfo, "server", "event=accepted conn=", conn->id, " peer=", conn->peer);
     self->Receive(conn);
     self->Accept(listener);
+  });
+}
+
+void Server::Impl::Relisten(size_t index, int attempt) {
+  auto timer = std::make_shared<asio::steady_timer>(ex_, std::chrono::seconds(1));
+  timer->async_wait([weak = weak_from_this(), timer, index, attempt](boost::system::error_code ec) {
+    auto self = weak.lock();
+    if (ec || !self || self->stopped_ || self->shutting_down_) return;
+    // The URI as first bound: same port, so that clients find the server again.
+    const std::string& text = self->uris_[index];
+    auto uri = transport::ParseUri(text);
+    absl::StatusOr<std::unique_ptr<transport::Listener>> listener =
+        uri.ok() ? ListenOn(self->ex_, *uri, self->options_.transport)
+                 : absl::StatusOr<std::unique_ptr<transport::Listener>>(uri.status());
+    if (!listener.ok()) {
+      // Logged once in a while: the device may stay away for long.
+      if (attempt == 1 || attempt % 30 == 0)
+        RDMARPC_LOG(kInfo, "server", "event=relisten_failed uri=", text, " attempt=", attempt, " error=\"",
+                    listener.status().ToString(), "\"");
+      self->Relisten(index, attempt + 1);
+      return;
+    }
+    RDMARPC_LOG(kWarn, "server", "event=listening uri=", (*listener)->local_uri(), " attempts=", attempt,
+                " reason=\"device back\"");
+    // The broken one goes after this handler: its last Accept may still be unwinding.
+    asio::post(self->ex_, [old = std::move(self->listeners_[index])] {});
+    self->listeners_[index] = std::move(*listener);
+    self->Accept(self->listeners_[index].get());
   });
 }
 

@@ -208,6 +208,11 @@ class Listener {
   // The URI peers connect to (port resolved when 0 was asked for).
   virtual std::string local_uri() const = 0;
   virtual void Close() = 0;
+  // True once the listener can accept nothing more because what it listened
+  // on went away (an RDMA listener bound to one address whose device was
+  // removed): every Accept fails UNAVAILABLE. Close it and listen again when
+  // the address is back.
+  virtual bool broken() const { return false; }
 
   template <typename Token>
   auto async_accept(Token&& token) {

@@ -10,6 +10,7 @@
 #include <atomic>
 #include <condition_variable>
 #include <cstdlib>
+#include <cstring>
 #include <deque>
 #include <functional>
 #include <map>
@@ -56,6 +57,7 @@ bool Contains(absl::string_view hay, absl::string_view needle) {
 struct Ledger {
   std::mutex mu;
   std::map<uintptr_t, size_t> live;  // base -> bytes
+  std::set<uintptr_t> deregistered;  // bases whose registration was dropped (still live)
   int allocations = 0;
   bool Owns(uint64_t addr, size_t len) {
     std::lock_guard<std::mutex> lock(mu);
@@ -84,6 +86,10 @@ class RecordingProvider final : public SlabProvider {
       ledger_->live.erase(reinterpret_cast<uintptr_t>(slab.base));
     }
     heap_.Free(slab);
+  }
+  void Deregister(const Slab& slab) noexcept override {
+    std::lock_guard<std::mutex> lock(ledger_->mu);
+    ledger_->deregistered.insert(reinterpret_cast<uintptr_t>(slab.base));
   }
 
  private:
@@ -279,6 +285,52 @@ TEST(BufferPool, GrowsLazilyOneSlabAtATimePerClass) {
   }
   EXPECT_EQ(ledger->allocations, 2);
   EXPECT_EQ(pool->Stats().registered_bytes, 2048u);
+}
+
+// Device removal (RDMA_CM_EVENT_DEVICE_REMOVAL): every registration goes at
+// once, the memory stays for buffers still held, and the pool grows no more.
+TEST(BufferPool, DeregisterDropsEveryRegistrationKeepsTheMemoryAndStopsGrowth) {
+  auto ledger = std::make_shared<Ledger>();
+  BufferPoolOptions o = TinyOptions();
+  o.class_bytes = {64, 128};
+  o.max_registered_bytes = 1 << 20;
+  auto pool = MakePool(o, ledger);
+  ASSERT_NE(pool, nullptr);
+  std::vector<Buffer> held;
+  for (int i = 0; i < 17; ++i) held.push_back(*pool->Acquire(64));  // Two slabs of the first class.
+  held.push_back(*pool->Acquire(128));
+  for (auto& b : held) std::memset(b.data().data(), 0x5a, b.data().size());
+  ASSERT_EQ(ledger->live.size(), 3u);
+
+  pool->Deregister();
+  pool->Deregister();  // Idempotent.
+  {
+    std::lock_guard<std::mutex> lock(ledger->mu);
+    EXPECT_EQ(ledger->deregistered.size(), 3u);
+    for (const auto& [base, bytes] : ledger->live) EXPECT_EQ(ledger->deregistered.count(base), 1u);
+  }
+  // Held buffers still point at live memory with what was written.
+  for (auto& b : held) {
+    EXPECT_TRUE(ledger->Owns(b.addr(), b.data().size()));
+    EXPECT_EQ(b.data()[0], std::byte{0x5a});
+  }
+  // Buffers the pool already has still come out; a new slab does not.
+  held.pop_back();
+  EXPECT_TRUE(pool->Acquire(128).ok());
+  std::vector<Buffer> more;
+  absl::Status refused;
+  for (int i = 0; i < 64 && refused.ok(); ++i) {
+    auto b = pool->Acquire(64);
+    if (b.ok()) more.push_back(*std::move(b));
+    else refused = b.status();
+  }
+  EXPECT_EQ(refused.code(), absl::StatusCode::kFailedPrecondition) << refused;
+  EXPECT_TRUE(Contains(refused.message(), "device was removed")) << refused;
+  EXPECT_EQ(ledger->allocations, 3);
+  held.clear();
+  more.clear();
+  pool.reset();
+  EXPECT_TRUE(ledger->live.empty()) << "the memory is freed with the pool";
 }
 
 TEST(BufferPool, PreallocateRegistersAtCreateAndTheHotPathDoesNot) {

@@ -145,6 +145,10 @@ void VerbsSlabProvider::Free(const Slab& slab) noexcept {
   mappings_.erase(it);
 }
 
+void VerbsSlabProvider::Deregister(const Slab& slab) noexcept {
+  if (auto it = mappings_.find(slab.base); it != mappings_.end()) it->second.mr.reset();
+}
+
 // ---- shared core and thread caches -----------------------------------------
 
 namespace detail {
@@ -198,6 +202,7 @@ struct PoolCore : std::enable_shared_from_this<PoolCore> {
   size_t registered_bytes = 0;    // Guarded by mu.
   size_t hugepage_slabs = 0;      // Guarded by mu.
   size_t numa_bound_slabs = 0;    // Guarded by mu.
+  bool deregistered = false;      // Guarded by mu. BufferPool::Deregister ran.
 };
 
 struct CacheEntry {
@@ -470,9 +475,20 @@ BufferPool::~BufferPool() {
   }
 }
 
+void BufferPool::Deregister() {
+  std::lock_guard<std::mutex> lock(core_->mu);
+  if (core_->deregistered) return;
+  core_->deregistered = true;
+  for (const Slab& slab : core_->slabs) provider_->Deregister(slab);
+}
+
 absl::Status BufferPool::GrowLocked(uint32_t cls) {
   detail::PoolCore& core = *core_;
   const detail::ClassInfo& ci = core.classes[cls];
+  if (core.deregistered)
+    return absl::FailedPreconditionError(
+        "buffer pool: its RDMA device was removed (the pool's memory is deregistered); make a new "
+        "pool once the device is back");
   if (core.registered_bytes + ci.slab_bytes > options_.max_registered_bytes) {
     const auto& st = core.state[cls];
     return absl::ResourceExhaustedError(absl::StrCat(

@@ -97,6 +97,10 @@ class SlabProvider {
   virtual absl::StatusOr<Slab> Allocate(size_t bytes, int access) = 0;
   // Returns a slab from Allocate. Failures are logged, never thrown.
   virtual void Free(const Slab& slab) noexcept = 0;
+  // Drops the slab's registration and keeps its memory (Free still unmaps
+  // it): the device is going away (BufferPool::Deregister). No-op for
+  // unregistered memory.
+  virtual void Deregister(const Slab& /*slab*/) noexcept {}
   // The node slabs are placed on; -1 when there is no placement.
   virtual int numa_node() const { return -1; }
   // The protection domain slabs are registered in (an ibv_pd*), so a user of
@@ -146,6 +150,7 @@ class VerbsSlabProvider final : public SlabProvider {
 
   absl::StatusOr<Slab> Allocate(size_t bytes, int access) override;
   void Free(const Slab& slab) noexcept override;
+  void Deregister(const Slab& slab) noexcept override;
   int numa_node() const override { return numa_node_; }
   const void* protection_domain() const override;
 
@@ -317,6 +322,16 @@ class BufferPool {
 
   BufferPoolStats Stats() const;
   const BufferPoolOptions& options() const { return options_; }
+
+  // The device is being removed (RDMA_CM_EVENT_DEVICE_REMOVAL): deregisters
+  // every slab now and keeps the memory, so buffers still held stay readable
+  // and writable until they come back, while the kernel, which waits for
+  // every registration on the device to go before `rdma link delete` can
+  // finish, is not kept waiting for the application. Afterwards the pool hands
+  // out only buffers it already has (their keys are dead: post nothing with
+  // them) and grows no more (FAILED_PRECONDITION). Idempotent. Must not
+  // overlap a growth; call it where the pool's owner would destroy it.
+  void Deregister();
 
  private:
   BufferPool(std::unique_ptr<SlabProvider> provider, BufferPoolOptions options,

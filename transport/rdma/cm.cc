@@ -270,8 +270,10 @@ asio::awaitable<absl::StatusOr<std::unique_ptr<CmEndpoint>>> CmListener::Accept(
     if (!ev.ok()) co_return ev.status();
     if ((*ev)->event != RDMA_CM_EVENT_CONNECT_REQUEST) {
       // Listener-level events (DEVICE_REMOVAL, ADDR_CHANGE) end the listener.
-      if ((*ev)->event == RDMA_CM_EVENT_DEVICE_REMOVAL)
+      if ((*ev)->event == RDMA_CM_EVENT_DEVICE_REMOVAL) {
+        device_removed_ = true;
         co_return absl::UnavailableError("RDMA device removed under the listener");
+      }
       RDMARPC_LOG(kInfo, "cm", "event=listener_ignored cm_event=", DescribeCmEvent(**ev));
       continue;
     }

@@ -138,6 +138,9 @@ class CmListener {
   // channel, ready for CreateQp() and Accept() (or Reject()).
   asio::awaitable<absl::StatusOr<std::unique_ptr<CmEndpoint>>> Accept();
   void Cancel() { channel_->Cancel(); }
+  // Accept() failed because the listener's device went away
+  // (RDMA_CM_EVENT_DEVICE_REMOVAL): this listener is finished.
+  bool device_removed() const { return device_removed_; }
 
  private:
   CmListener(asio::any_io_executor ex, std::unique_ptr<CmChannel> channel, CmIdPtr id,
@@ -146,6 +149,7 @@ class CmListener {
   std::unique_ptr<CmChannel> channel_;
   CmIdPtr id_;
   CmOptions options_;
+  bool device_removed_ = false;
 };
 
 // Human-readable "event STATUS" for error messages.

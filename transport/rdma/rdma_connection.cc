@@ -286,7 +286,9 @@ class RdmaConnectionImpl final : public std::enable_shared_from_this<RdmaConnect
   // destroyed, after a failure).
   void SendRegistered(std::shared_ptr<const Buffer> buffer, SendHandler handler) {
     absl::Status st;
-    if (buffer == nullptr || !*buffer) {
+    if (!error_.ok()) {
+      st = error_;  // First: after a device removal there is no context to compare with.
+    } else if (buffer == nullptr || !*buffer) {
       st = absl::InvalidArgumentError("SendRegistered: empty Buffer");
     } else if (buffer->protection_domain() != ctx_->device().pd()) {
       st = absl::InvalidArgumentError(absl::StrCat(
@@ -295,8 +297,6 @@ class RdmaConnectionImpl final : public std::enable_shared_from_this<RdmaConnect
           "device of the RdmaContext this connection was made with"));
     } else if (buffer->size() > max_message_size()) {
       st = TooLarge(buffer->size());
-    } else if (!error_.ok()) {
-      st = error_;
     }
     if (!st.ok()) {
       transport::PostCompletion(ex_, std::move(handler), std::move(st));
@@ -1159,6 +1159,37 @@ class RdmaConnectionImpl final : public std::enable_shared_from_this<RdmaConnect
     transport::PostCompletion(ex_, std::move(h), std::move(result));
   }
 
+  // RDMA_CM_EVENT_DEVICE_REMOVAL. The kernel's unregistration of a device
+  // (`rdma link delete`, a NIC's driver unloaded or its function removed)
+  // waits, uninterruptibly, until every object on the device is gone and the
+  // device's ibv_context is closed, unless the driver can disassociate
+  // contexts (rxe cannot). So everything this connection holds on the device
+  // goes now, not when the application lets go of the connection and of the
+  // messages it received: poller, QP, cm_id, CQ, completion channel, memory
+  // windows, registrations. Memory stays: a message the application holds is
+  // still readable. The context is marked removed (RdmaContext::removed) and
+  // dropped, so that librdmacm can close the device once its other users
+  // have let go too. After Fail(): nothing is posted or polled any more.
+  void ReleaseDevice() {
+    if (poller_) poller_->Stop();
+    poller_.reset();
+    ep_.reset();  // The QP first (rdma_destroy_qp), then the cm_id and its event channel.
+    cq_.reset();
+    channel_.reset();
+    free_windows_.clear();
+    for (auto& [id, in] : large_in_) {
+      in.window.reset();  // Unbinds: before the grant pool's MRs go.
+      in.own.mr.reset();
+    }
+    for (auto& [id, out] : large_out_) out.own.mr.reset();
+    if (grant_pool_) grant_pool_->Deregister();
+    if (send_pool_) send_pool_->Deregister();
+    slots_mr_.reset();
+    if (ctx_) ctx_->MarkRemoved();
+    ctx_.reset();
+    RDMARPC_LOG(kInfo, "rdma", "event=device_resources_released peer=", peer_uri_);
+  }
+
   // Watches CM events after establishment: the peer leaving, device removal.
   void WatchCm() {
     asio::co_spawn(ex_, [self = shared_from_this()]() -> asio::awaitable<void> {
@@ -1170,10 +1201,14 @@ class RdmaConnectionImpl final : public std::enable_shared_from_this<RdmaConnect
             type == RDMA_CM_EVENT_TIMEWAIT_EXIT) {
           RDMARPC_LOG(kInfo, "rdma", "event=cm peer=", self->peer_uri_, " cm_event=", DescribeCmEvent(**ev));
           ev = absl::StatusOr<CmEventPtr>();  // Ack before tearing down.
+          // Before Fail(): whoever learns of the failure may look at the context.
+          if (type == RDMA_CM_EVENT_DEVICE_REMOVAL && self->ctx_) self->ctx_->MarkRemoved();
           self->Fail(absl::UnavailableError(absl::StrCat(
                          "connection to ", self->peer_uri_,
                          type == RDMA_CM_EVENT_DEVICE_REMOVAL ? " lost: RDMA device removed" : " closed by the peer")),
                      type != RDMA_CM_EVENT_DISCONNECTED);
+          // Posted: the cm_id this coroutine waited on goes with the device.
+          if (type == RDMA_CM_EVENT_DEVICE_REMOVAL) asio::post(self->ex_, [self] { self->ReleaseDevice(); });
           co_return;
         }
       }
@@ -1317,23 +1352,48 @@ class RdmaListener final : public transport::Listener {
  public:
   RdmaListener(asio::any_io_executor ex, std::shared_ptr<RdmaContext> ctx, RdmaOptions opt,
                std::unique_ptr<CmListener> cm, std::string host)
-      : ex_(std::move(ex)), ctx_(std::move(ctx)), opt_(opt), cm_(std::move(cm)), host_(std::move(host)) {}
+      : ex_(std::move(ex)),
+        ctx_(std::move(ctx)),
+        opt_(opt),
+        cm_(std::move(cm)),
+        host_(std::move(host)),
+        port_(cm_->port()) {}
 
   void Accept(AcceptHandler handler) override {
     asio::co_spawn(ex_, AcceptOne(), Finish(ex_, std::move(handler)));
   }
   std::string local_uri() const override {
     const bool v6 = host_.find(':') != std::string::npos;
-    return absl::StrCat("rdma://", v6 ? "[" : "", host_, v6 ? "]" : "", ":", cm_->port());
+    return absl::StrCat("rdma://", v6 ? "[" : "", host_, v6 ? "]" : "", ":", port_);
   }
-  void Close() override { cm_->Cancel(); }
+  void Close() override {
+    if (cm_) cm_->Cancel();
+  }
+  bool broken() const override { return cm_ == nullptr; }
 
  private:
   // One connection request to a running connection; a request that fails
-  // setup is rejected and reported (the listener keeps going).
+  // setup is rejected and reported (the listener keeps going). After the
+  // device went away (a listener bound to one address gets
+  // RDMA_CM_EVENT_DEVICE_REMOVAL; one on 0.0.0.0 does not and keeps
+  // listening on the devices that come and go), the listener lets go of its
+  // cm_id and of the context at once, as a connection does
+  // (RdmaConnectionImpl::ReleaseDevice), and every Accept fails UNAVAILABLE:
+  // listen again once the device is back (rdmarpc::Server does).
   asio::awaitable<absl::StatusOr<std::unique_ptr<transport::Connection>>> AcceptOne() {
+    if (!cm_) co_return RemovedError();
     auto ep = co_await cm_->Accept();
-    if (!ep.ok()) co_return ep.status();
+    if (!ep.ok()) {
+      if (cm_ && cm_->device_removed()) {
+        RDMARPC_LOG(kWarn, "rdma", "event=listener_device_removed listener=", local_uri(),
+                    " action=\"released its cm_id and context; listen again once the device is back\"");
+        cm_.reset();
+        if (ctx_) ctx_->MarkRemoved();
+        ctx_.reset();
+        co_return RemovedError();
+      }
+      co_return ep.status();
+    }
     if (auto st = CheckDevice(*ctx_, **ep); !st.ok()) {
       (void)(*ep)->Reject(st.message());
       co_return st;
@@ -1381,11 +1441,17 @@ class RdmaListener final : public transport::Listener {
     return absl::UnauthenticatedError(transport::auth::VerdictReason(verdict));
   }
 
+  absl::Status RemovedError() const {
+    return absl::UnavailableError(absl::StrCat("RDMA device removed under the listener ", local_uri(),
+                                               "; listen again once the device is back"));
+  }
+
   asio::any_io_executor ex_;
-  std::shared_ptr<RdmaContext> ctx_;
+  std::shared_ptr<RdmaContext> ctx_;  // Null once the device was removed.
   RdmaOptions opt_;
-  std::unique_ptr<CmListener> cm_;
+  std::unique_ptr<CmListener> cm_;    // Likewise.
   std::string host_;
+  uint16_t port_;
 };
 
 asio::awaitable<absl::StatusOr<std::unique_ptr<transport::Connection>>> ConnectImpl(
@@ -1425,6 +1491,14 @@ const char* PollModeName(PollMode mode) {
     case PollMode::kBusy: return "busy";
   }
   return "?";
+}
+
+RdmaContext::~RdmaContext() {
+  if (!removed()) return;
+  RDMARPC_LOG(kInfo, "rdma", "event=context_closed device=", device_.name(), " reason=\"device removed\"");
+  // Shared pollers first: their threads must be gone before the device is.
+  shared_.clear();
+  device_.ReleaseRemoved();
 }
 
 absl::StatusOr<std::shared_ptr<PollerGroup>> RdmaContext::SharedPollers(const RdmaOptions& options) {

@@ -151,6 +151,7 @@ struct RdmaOptions {
 class RdmaContext {
  public:
   static absl::StatusOr<std::shared_ptr<RdmaContext>> Open(const DeviceSelector& selector);
+  ~RdmaContext();
   const Device& device() const { return device_; }
   // "kernel" (fork-safe without help), "ibv_fork_init", as found at Open().
   const char* fork_protection() const { return fork_protection_; }
@@ -162,9 +163,23 @@ class RdmaContext {
   // Connections with the same settings share them. Thread-safe.
   absl::StatusOr<std::shared_ptr<PollerGroup>> SharedPollers(const RdmaOptions& options);
 
+  // True once a connection or listener made from this context saw its device
+  // go away (RDMA_CM_EVENT_DEVICE_REMOVAL: `rdma link delete`, a driver
+  // unloaded, a NIC unplugged). Such a context is dead for good. Connections
+  // and listeners release what they hold on the device at once and drop
+  // their references; the kernel's removal then waits only for the holders
+  // of the context itself: drop every reference you hold (librdmacm closes
+  // the device when the last goes) and Open() a new context once the device
+  // is back. rdmarpc::Server and Channel do both for the contexts they open.
+  // Thread-safe.
+  bool removed() const { return removed_.load(std::memory_order_acquire); }
+  // Called by the transport when it sees the removal.
+  void MarkRemoved() { removed_.store(true, std::memory_order_release); }
+
  private:
   explicit RdmaContext(Device device) : device_(std::move(device)) {}
   Device device_;
+  std::atomic<bool> removed_{false};
   const char* fork_protection_ = "";
   std::atomic<unsigned> next_poller_slot_{0};
   struct Shared {

@@ -1,12 +1,17 @@
 #include "transport/rdma/verbs.h"
 
 #include <arpa/inet.h>
+#include <fcntl.h>
 #include <netdb.h>
 #include <sys/resource.h>
+#include <sys/stat.h>
+#include <unistd.h>
 
 #include <cerrno>
 #include <cstring>
 #include <fstream>
+#include <map>
+#include <mutex>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
@@ -42,10 +47,102 @@ void CmEventDeleter::operator()(rdma_cm_event* p) const noexcept {
   RDMARPC_FREE_OR_LOG(rdma_ack_cm_event(p), "cm_event_ack");
 }
 void CmQpDeleter::operator()(rdma_cm_id* id) const noexcept { rdma_destroy_qp(id); }
-void DeviceListDeleter::operator()(ibv_context** p) const noexcept { rdma_free_devices(p); }
+void DeviceListDeleter::operator()(ibv_context** p) const noexcept {
+  // librdmacm learns that a device was removed only when it re-reads the
+  // kernel's list (rdma_get_devices does); it then closes that device's
+  // ibv_context when its last reference goes, which may be the one dropped
+  // here. Until it is closed the kernel's unregistration of the device (e.g.
+  // `rdma link delete`) cannot finish.
+  int n = 0;
+  if (ibv_context** fresh = rdma_get_devices(&n); fresh != nullptr) rdma_free_devices(fresh);
+  rdma_free_devices(p);
+}
 
 #undef RDMARPC_FREE_OR_LOG
+
+namespace {
+// Devices of this process per librdmacm context (ContextUse). Bookkeeping
+// only: it opens, owns and selects nothing.
+std::mutex& UsesMutex() {
+  static std::mutex mu;
+  return mu;
+}
+std::map<ibv_context*, int>& Uses() {
+  static std::map<ibv_context*, int> uses;
+  return uses;
+}
+}  // namespace
+
+ContextUse::ContextUse(ibv_context* context) : context_(context) {
+  std::lock_guard<std::mutex> lock(UsesMutex());
+  ++Uses()[context_];
+}
+
+ContextUse& ContextUse::operator=(ContextUse&& other) noexcept {
+  if (this != &other) {
+    Reset();
+    context_ = other.context_;
+    other.context_ = nullptr;
+  }
+  return *this;
+}
+
+bool ContextUse::Reset() noexcept {
+  if (context_ == nullptr) return false;
+  std::lock_guard<std::mutex> lock(UsesMutex());
+  auto it = Uses().find(context_);
+  context_ = nullptr;
+  if (it == Uses().end()) return false;
+  if (--it->second > 0) return false;
+  Uses().erase(it);
+  return true;
+}
 }  // namespace detail
+
+void Device::ReleaseRemoved() noexcept {
+  if (context_ == nullptr) return;
+  const bool last = use_.Reset();
+  // The context's files, identified by inode: after the list goes,
+  // librdmacm may have closed them and the numbers may name other files.
+  struct Held {
+    int fd;
+    dev_t dev = 0;
+    ino_t ino = 0;
+  };
+  Held held[2] = {{context_->cmd_fd}, {context_->async_fd}};
+  for (Held& h : held) {
+    struct stat st {};
+    if (h.fd < 0 || fstat(h.fd, &st) != 0) {
+      h.fd = -1;
+      continue;
+    }
+    h.dev = st.st_dev;
+    h.ino = st.st_ino;
+  }
+  pd_.reset();
+  list_.reset();  // librdmacm re-reads the device list and closes the context if it can.
+  context_ = nullptr;
+  if (!last) {
+    RDMARPC_LOG(kInfo, "verbs", "event=removed_device_released device=", name_,
+                " note=\"another RdmaContext of this process still holds it\"");
+    return;
+  }
+  int taken = 0;
+  int null_fd = -1;
+  for (const Held& h : held) {
+    struct stat st {};
+    if (h.fd < 0 || fstat(h.fd, &st) != 0 || st.st_dev != h.dev || st.st_ino != h.ino) continue;
+    if (null_fd < 0) null_fd = open("/dev/null", O_RDWR | O_CLOEXEC);
+    if (null_fd < 0 || dup3(null_fd, h.fd, O_CLOEXEC) < 0) {
+      RDMARPC_LOG(kError, "verbs", "event=removed_device_fd_kept device=", name_, " fd=", h.fd, " errno=", errno,
+                  " (", std::strerror(errno), ") the kernel's removal of the device waits for this process");
+      continue;
+    }
+    ++taken;
+  }
+  if (null_fd >= 0) close(null_fd);
+  RDMARPC_LOG(kInfo, "verbs", "event=removed_device_released device=", name_, " files_closed_for_librdmacm=", taken);
+}
 
 absl::Status ErrnoStatus(int err, absl::string_view what) {
   std::string msg = absl::StrCat(what, ": ", std::strerror(err), " (errno ", err, ")");
@@ -256,6 +353,7 @@ absl::StatusOr<Device> Device::Open(const DeviceSelector& sel) {
 
   dev.pd_.reset(ibv_alloc_pd(dev.context_));
   if (!dev.pd_) return ErrnoStatus(errno, absl::StrCat("ibv_alloc_pd on ", dev.name_));
+  dev.use_ = detail::ContextUse(dev.context_);
   return dev;
 }
 

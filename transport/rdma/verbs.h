@@ -40,6 +40,23 @@ struct CmEventDeleter { void operator()(rdma_cm_event* p) const noexcept; };
 // A QP created through rdma_create_qp belongs to its cm_id: freed by rdma_destroy_qp.
 struct CmQpDeleter { void operator()(rdma_cm_id* id) const noexcept; };
 struct DeviceListDeleter { void operator()(ibv_context** p) const noexcept; };
+
+// One Device's use of a librdmacm device context, counted per process so that
+// the last user of a removed device can tell it is the last
+// (Device::ReleaseRemoved). Move-only.
+class ContextUse {
+ public:
+  ContextUse() = default;
+  explicit ContextUse(ibv_context* context);
+  ContextUse(ContextUse&& other) noexcept : context_(other.context_) { other.context_ = nullptr; }
+  ContextUse& operator=(ContextUse&& other) noexcept;
+  ~ContextUse() { Reset(); }
+  // Drops this use; true if it was the last one of the process on the context.
+  bool Reset() noexcept;
+
+ private:
+  ibv_context* context_ = nullptr;
+};
 }  // namespace detail
 
 using PdPtr = std::unique_ptr<ibv_pd, detail::PdDeleter>;
@@ -106,6 +123,19 @@ class Device {
   // IBV_WR_BIND_MW work request on a QP of the same PD.
   absl::StatusOr<MwPtr> AllocateType2Window() const;
 
+  // The device was removed (RDMA_CM_EVENT_DEVICE_REMOVAL) and nothing made
+  // from it is left: frees the PD and this Device's hold on librdmacm's device
+  // context, after which the Device is empty. The kernel's removal then still
+  // waits for that context's file descriptors to close, and librdmacm (44 and
+  // later alike) closes a removed device's context only when its device list
+  // shows some *other* device: with the one device gone it keeps the files
+  // open until the process exits, and `rdma link delete` hangs that long. So
+  // when no other Device of this process uses the context, its descriptors
+  // are pointed at /dev/null (dup3), which closes the device's files and
+  // keeps the numbers librdmacm will close later taken. Drivers that can
+  // disassociate contexts (mlx5) do not wait for the files; rxe and siw do.
+  void ReleaseRemoved() noexcept;
+
  private:
   Device() = default;
 
@@ -116,6 +146,7 @@ class Device {
   ibv_device_attr attr_{};
   PortInfo port_;
   int numa_node_ = -1;
+  detail::ContextUse use_;  // Last: dropped first.
 };
 
 // Makes a completion channel and a CQ of `depth` entries on `dev`.
