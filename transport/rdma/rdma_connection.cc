@@ -7,6 +7,8 @@
 #include <cstring>
 #include <deque>
 #include <map>
+#include <system_error>
+#include <thread>
 
 #include <boost/asio/co_spawn.hpp>
 #include <boost/asio/detached.hpp>
@@ -1170,25 +1172,74 @@ class RdmaConnectionImpl final : public std::enable_shared_from_this<RdmaConnect
   // still readable. The context is marked removed (RdmaContext::removed) and
   // dropped, so that librdmacm can close the device once its other users
   // have let go too. After Fail(): nothing is posted or polled any more.
+  //
+  // The destroy calls run on a thread of their own, not on the executor: a
+  // destroy may block in the kernel (Debian 6.1's rxe waits up to 50 s for a
+  // QP reference it never drops, seen under load), and the executor's other
+  // connections, timers and deadlines must not wait with it.
   void ReleaseDevice() {
-    if (poller_) poller_->Stop();
+    if (poller_) poller_->Stop();  // On the executor: the sink must not run after.
     poller_.reset();
-    ep_.reset();  // The QP first (rdma_destroy_qp), then the cm_id and its event channel.
-    cq_.reset();
-    channel_.reset();
-    free_windows_.clear();
+    auto held = std::make_unique<DeviceHold>();
+    held->ctx = std::move(ctx_);
+    held->slots_mr = std::move(slots_mr_);
+    held->send_pool = send_pool_;
+    held->grant_pool = grant_pool_;
+    for (auto& [id, out] : large_out_)
+      if (out.own.mr) held->mrs.push_back(std::move(out.own.mr));
     for (auto& [id, in] : large_in_) {
-      in.window.reset();  // Unbinds: before the grant pool's MRs go.
-      in.own.mr.reset();
+      if (in.own.mr) held->mrs.push_back(std::move(in.own.mr));
+      if (in.window) held->windows.push_back(std::move(in.window));
     }
-    for (auto& [id, out] : large_out_) out.own.mr.reset();
-    if (grant_pool_) grant_pool_->Deregister();
-    if (send_pool_) send_pool_->Deregister();
-    slots_mr_.reset();
-    if (ctx_) ctx_->MarkRemoved();
-    ctx_.reset();
-    RDMARPC_LOG(kInfo, "rdma", "event=device_resources_released peer=", peer_uri_);
+    for (auto& w : free_windows_) held->windows.push_back(std::move(w));
+    free_windows_.clear();
+    held->channel = std::move(channel_);
+    held->cq = std::move(cq_);
+    held->ep = std::move(ep_);
+    if (held->ctx) held->ctx->MarkRemoved();
+    held->peer = peer_uri_;
+    DeviceHold::Release(std::move(held));
   }
+
+  // What ReleaseDevice takes from the connection, destroyed in member order
+  // reversed: QP and cm_id, CQ, channel, windows (unbound before the MRs they
+  // sit on), registrations, the pools' registrations, and the context last.
+  struct DeviceHold {
+    std::shared_ptr<RdmaContext> ctx;
+    std::shared_ptr<BufferPool> send_pool, grant_pool;
+    MrPtr slots_mr;
+    std::vector<MrPtr> mrs;
+    std::vector<MwPtr> windows;
+    CompChannelPtr channel;
+    CqPtr cq;
+    std::unique_ptr<CmEndpoint> ep;
+    std::string peer;
+
+    ~DeviceHold() {
+      const auto t0 = std::chrono::steady_clock::now();
+      ep.reset();
+      cq.reset();
+      channel.reset();
+      windows.clear();
+      mrs.clear();
+      slots_mr.reset();
+      if (grant_pool) grant_pool->Deregister();
+      if (send_pool) send_pool->Deregister();
+      const auto ms =
+          std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now() - t0).count();
+      RDMARPC_LOG(kInfo, "rdma", "event=device_resources_released peer=", peer, " took_ms=", ms);
+    }
+
+    static void Release(std::unique_ptr<DeviceHold> held) {
+      try {
+        std::thread([h = std::move(held)]() mutable { h.reset(); }).detach();
+      } catch (const std::system_error& e) {
+        // No thread to be had: release here, at the cost of blocking the executor.
+        RDMARPC_LOG(kWarn, "rdma", "event=release_inline reason=\"", e.what(), "\"");
+        if (held) held.reset();
+      }
+    }
+  };
 
   // Watches CM events after establishment: the peer leaving, device removal.
   void WatchCm() {
@@ -1244,11 +1295,11 @@ class RdmaConnectionImpl final : public std::enable_shared_from_this<RdmaConnect
   transport::Fifo<PendingOp> pending_;  // DATA and RTS, in message order.
   transport::Fifo<PendingOp> control_;  // CTS and WRITE: rendezvous progress, first.
   // Before large_out_: its buffers go back to the pool before the pool goes.
-  std::unique_ptr<BufferPool> send_pool_;
+  std::shared_ptr<BufferPool> send_pool_;  // Shared: a device removal's release holds it (DeviceHold).
   bool send_pool_failed_ = false;
   // Before large_in_ and free_windows_: windows are unbound and buffers back
   // before the pool's MRs are deregistered.
-  std::unique_ptr<BufferPool> grant_pool_;
+  std::shared_ptr<BufferPool> grant_pool_;
   bool grant_pool_failed_ = false;
   std::vector<MwPtr> free_windows_;  // Invalidated, ready to bind again.
   std::deque<uint64_t> invalidations_;  // large_in_ keys whose window awaits its LOCAL_INV.

@@ -63,13 +63,15 @@ void DeviceListDeleter::operator()(ibv_context** p) const noexcept {
 namespace {
 // Devices of this process per librdmacm context (ContextUse). Bookkeeping
 // only: it opens, owns and selects nothing.
+// Never destroyed: a device removal's release may still run on its own
+// thread while the process exits.
 std::mutex& UsesMutex() {
-  static std::mutex mu;
-  return mu;
+  static auto* mu = new std::mutex;
+  return *mu;
 }
 std::map<ibv_context*, int>& Uses() {
-  static std::map<ibv_context*, int> uses;
-  return uses;
+  static auto* uses = new std::map<ibv_context*, int>;
+  return *uses;
 }
 }  // namespace
 
