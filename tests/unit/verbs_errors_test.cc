@@ -76,5 +76,26 @@ TEST(VerbsErrors, ErrnoStatusKeepsTheCallAndTheErrnoText) {
   EXPECT_EQ(ErrnoStatus(ENODEV, "x").code(), absl::StatusCode::kNotFound);
 }
 
+// Device::ReleaseRemoved closes a removed device's files behind librdmacm only
+// when it drops the process's last use of that context; an earlier one must
+// leave them to the RdmaContexts still holding it.
+TEST(VerbsErrors, OnlyTheLastUseOfADeviceContextIsTheLast) {
+  // Identities only: ContextUse never dereferences the pointer.
+  auto* a = reinterpret_cast<ibv_context*>(uintptr_t{0x1000});
+  auto* b = reinterpret_cast<ibv_context*>(uintptr_t{0x2000});
+  detail::ContextUse a1(a), b1(b);
+  detail::ContextUse a2(a);
+  detail::ContextUse moved(std::move(a2));  // A move carries the use, it does not add one.
+  EXPECT_FALSE(a2.Reset()) << "a moved-from use holds nothing";
+  EXPECT_FALSE(a1.Reset()) << "another use of a is still alive";
+  EXPECT_TRUE(b1.Reset()) << "b had one use";
+  EXPECT_TRUE(moved.Reset()) << "the last use of a";
+  EXPECT_FALSE(moved.Reset()) << "idempotent";
+  {
+    detail::ContextUse again(a);  // Counting starts afresh once all uses went.
+    EXPECT_TRUE(again.Reset());
+  }
+}
+
 }  // namespace
 }  // namespace rdmarpc::rdma
