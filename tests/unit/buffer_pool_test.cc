@@ -127,6 +127,15 @@ std::unique_ptr<BufferPool> MakePool(BufferPoolOptions o, std::shared_ptr<Ledger
   return pool.ok() ? *std::move(pool) : nullptr;
 }
 
+// Two classes (64 B and 128 B, 16 and 8 per 1 KiB slab), no cap that matters.
+BufferPoolOptions TwoClassOptions(size_t preallocate_slabs = 0) {
+  BufferPoolOptions o = TinyOptions();
+  o.class_bytes = {64, 128};
+  o.max_registered_bytes = 1 << 20;
+  o.preallocate_slabs = preallocate_slabs;
+  return o;
+}
+
 size_t TotalInUse(const BufferPool& pool) {
   size_t n = 0;
   for (const auto& c : pool.Stats().classes) n += c.in_use;
@@ -267,10 +276,7 @@ TEST(BufferPool, ReleasedBuffersComeBackInsteadOfNewMemory) {
 
 TEST(BufferPool, GrowsLazilyOneSlabAtATimePerClass) {
   auto ledger = std::make_shared<Ledger>();
-  BufferPoolOptions o = TinyOptions();
-  o.class_bytes = {64, 128};
-  o.max_registered_bytes = 1 << 20;
-  auto pool = MakePool(o, ledger);
+  auto pool = MakePool(TwoClassOptions(), ledger);
   ASSERT_NE(pool, nullptr);
   EXPECT_EQ(pool->Stats().slabs, 0u);
   EXPECT_EQ(pool->Stats().registered_bytes, 0u);
@@ -291,10 +297,7 @@ TEST(BufferPool, GrowsLazilyOneSlabAtATimePerClass) {
 // once, the memory stays for buffers still held, and the pool grows no more.
 TEST(BufferPool, DeregisterDropsEveryRegistrationKeepsTheMemoryAndStopsGrowth) {
   auto ledger = std::make_shared<Ledger>();
-  BufferPoolOptions o = TinyOptions();
-  o.class_bytes = {64, 128};
-  o.max_registered_bytes = 1 << 20;
-  auto pool = MakePool(o, ledger);
+  auto pool = MakePool(TwoClassOptions(), ledger);
   ASSERT_NE(pool, nullptr);
   std::vector<Buffer> held;
   for (int i = 0; i < 17; ++i) held.push_back(*pool->Acquire(64));  // Two slabs of the first class.
@@ -335,11 +338,7 @@ TEST(BufferPool, DeregisterDropsEveryRegistrationKeepsTheMemoryAndStopsGrowth) {
 
 TEST(BufferPool, PreallocateRegistersAtCreateAndTheHotPathDoesNot) {
   auto ledger = std::make_shared<Ledger>();
-  BufferPoolOptions o = TinyOptions();
-  o.class_bytes = {64, 128};
-  o.max_registered_bytes = 1 << 20;
-  o.preallocate_slabs = 2;
-  auto pool = MakePool(o, ledger);
+  auto pool = MakePool(TwoClassOptions(/*preallocate_slabs=*/2), ledger);
   ASSERT_NE(pool, nullptr);
   EXPECT_EQ(ledger->allocations, 4);
   std::vector<Buffer> held;
