@@ -47,16 +47,7 @@ void CmEventDeleter::operator()(rdma_cm_event* p) const noexcept {
   RDMARPC_FREE_OR_LOG(rdma_ack_cm_event(p), "cm_event_ack");
 }
 void CmQpDeleter::operator()(rdma_cm_id* id) const noexcept { rdma_destroy_qp(id); }
-void DeviceListDeleter::operator()(ibv_context** p) const noexcept {
-  // librdmacm learns that a device was removed only when it re-reads the
-  // kernel's list (rdma_get_devices does); it then closes that device's
-  // ibv_context when its last reference goes, which may be the one dropped
-  // here. Until it is closed the kernel's unregistration of the device (e.g.
-  // `rdma link delete`) cannot finish.
-  int n = 0;
-  if (ibv_context** fresh = rdma_get_devices(&n); fresh != nullptr) rdma_free_devices(fresh);
-  rdma_free_devices(p);
-}
+void DeviceListDeleter::operator()(ibv_context** p) const noexcept { rdma_free_devices(p); }
 
 #undef RDMARPC_FREE_OR_LOG
 
@@ -122,7 +113,13 @@ void Device::ReleaseRemoved() noexcept {
     h.ino = st.st_ino;
   }
   pd_.reset();
-  list_.reset();  // librdmacm re-reads the device list and closes the context if it can.
+  // librdmacm learns that a device was removed only when it re-reads the
+  // kernel's list (rdma_get_devices does, if some device is left); it then
+  // closes the device's context when its last reference goes, which may be
+  // the one dropped here.
+  int n = 0;
+  if (ibv_context** fresh = rdma_get_devices(&n); fresh != nullptr) rdma_free_devices(fresh);
+  list_.reset();
   context_ = nullptr;
   if (!last) {
     RDMARPC_LOG(kInfo, "verbs", "event=removed_device_released device=", name_,
