@@ -3,33 +3,19 @@
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
+#include "transport/common/little_endian.h"
 
 namespace rdmarpc::rpc {
 namespace {
 
-void Put16(std::byte* p, uint16_t v) noexcept {
-  p[0] = std::byte(v & 0xff);
-  p[1] = std::byte(v >> 8);
-}
-void Put32(std::byte* p, uint32_t v) noexcept {
-  for (int i = 0; i < 4; ++i) p[i] = std::byte((v >> (8 * i)) & 0xff);
-}
-void Put64(std::byte* p, uint64_t v) noexcept {
-  for (int i = 0; i < 8; ++i) p[i] = std::byte((v >> (8 * i)) & 0xff);
-}
-uint16_t Get16(const std::byte* p) noexcept {
-  return static_cast<uint16_t>(std::to_integer<uint16_t>(p[0]) | (std::to_integer<uint16_t>(p[1]) << 8));
-}
-uint32_t Get32(const std::byte* p) noexcept {
-  uint32_t v = 0;
-  for (int i = 3; i >= 0; --i) v = (v << 8) | std::to_integer<uint32_t>(p[i]);
-  return v;
-}
-uint64_t Get64(const std::byte* p) noexcept {
-  uint64_t v = 0;
-  for (int i = 7; i >= 0; --i) v = (v << 8) | std::to_integer<uint64_t>(p[i]);
-  return v;
-}
+using wire_bytes::LoadLE;
+using wire_bytes::StoreLE;
+void Put16(std::byte* p, uint16_t v) noexcept { StoreLE(p, v); }
+void Put32(std::byte* p, uint32_t v) noexcept { StoreLE(p, v); }
+void Put64(std::byte* p, uint64_t v) noexcept { StoreLE(p, v); }
+uint16_t Get16(const std::byte* p) noexcept { return LoadLE<uint16_t>(p); }
+uint32_t Get32(const std::byte* p) noexcept { return LoadLE<uint32_t>(p); }
+uint64_t Get64(const std::byte* p) noexcept { return LoadLE<uint64_t>(p); }
 
 absl::Status Bad(std::string what) { return absl::InvalidArgumentError(absl::StrCat("bad rpc frame: ", what)); }
 

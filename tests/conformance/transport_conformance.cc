@@ -432,6 +432,38 @@ TEST_P(TransportConformance, HandlersRunOnTheirAssociatedExecutorNeverInline) {
     EXPECT_FALSE(r->inline_call) << "a failing Send() ran its handler inline";
     EXPECT_TRUE(*r->value);
   }
+
+  // (e) A Send() made inside a receive handler (an RPC server answering): the
+  // transport may finish the write at once (TCP writes with sendmsg() there),
+  // but the send handler still runs after Send() returned, and runs once.
+  {
+    auto sent = std::make_shared<Result<bool>>();
+    auto sent_runs = std::make_shared<int>(0);
+    auto echoed = std::make_shared<Result<bool>>();
+    server.async_receive([&server, sent, sent_runs](absl::StatusOr<Message> m) {
+      ASSERT_TRUE(m.ok()) << m.status();
+      std::vector<std::byte> answer(m->data().begin(), m->data().end());
+      auto returned = std::make_shared<bool>(false);
+      server.async_send(std::span<const std::byte>(answer), [sent, sent_runs, returned](absl::Status s) {
+        sent->inline_call = !*returned;
+        sent->value = s.ok();
+        ++*sent_runs;
+      });
+      *returned = true;
+    });
+    client.async_receive([echoed](absl::StatusOr<Message> m) {
+      echoed->value = m.ok() && m->size() == 77 && std::to_integer<uint8_t>(m->data()[76]) == 76;
+    });
+    std::vector<std::byte> request(77);
+    for (size_t i = 0; i < request.size(); ++i) request[i] = std::byte(static_cast<uint8_t>(i));
+    client.async_send(std::span<const std::byte>(request), [](absl::Status) {});
+    ASSERT_TRUE(RunUntil([&] { return sent->has_value() && echoed->has_value(); }));
+    RunFor(std::chrono::milliseconds(20));
+    EXPECT_FALSE(sent->inline_call) << "a Send() from a receive handler ran its handler inside Send()";
+    EXPECT_TRUE(*sent->value);
+    EXPECT_EQ(*sent_runs, 1);
+    EXPECT_TRUE(*echoed->value) << "the echo did not arrive intact";
+  }
   ExpectWorks(*pair, 32);
 }
 

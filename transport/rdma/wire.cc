@@ -1,18 +1,20 @@
 #include "transport/rdma/wire.h"
 
 #include "absl/strings/str_cat.h"
+#include "transport/common/little_endian.h"
 
 namespace rdmarpc::rdma::wire {
 namespace {
 
 template <typename T>
 void Put(std::byte*& p, T v) noexcept {
-  for (size_t i = 0; i < sizeof(T); ++i) *p++ = std::byte(static_cast<uint8_t>(v >> (8 * i)));
+  wire_bytes::StoreLE(p, v);
+  p += sizeof(T);
 }
 template <typename T>
 T Get(const std::byte*& p) noexcept {
-  T v = 0;
-  for (size_t i = 0; i < sizeof(T); ++i) v |= static_cast<T>(static_cast<T>(*p++) << (8 * i));
+  const T v = wire_bytes::LoadLE<T>(p);
+  p += sizeof(T);
   return v;
 }
 

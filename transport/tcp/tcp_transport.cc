@@ -1,8 +1,12 @@
 #include "transport/tcp/tcp_transport.h"
 
+#include <sys/socket.h>
+#include <sys/uio.h>
+
 #include <algorithm>
 #include <array>
 #include <atomic>
+#include <cerrno>
 #include <bit>
 #include <cstring>
 #include <exception>
@@ -30,6 +34,7 @@
 #include "transport/common/auth.h"
 #include "transport/common/log.h"
 #include "transport/common/fifo.h"
+#include "transport/common/little_endian.h"
 #include "transport/completion.h"
 #include "transport/uri.h"
 
@@ -58,15 +63,9 @@ constexpr size_t kMaxBatch = 64;
 // buffer freed by one message serve the next without growing.
 constexpr size_t kMinBufferBytes = 512;
 
-void EncodeLength(uint32_t n, std::byte* out) {
-  for (int i = 0; i < 4; ++i) out[i] = static_cast<std::byte>((n >> (8 * i)) & 0xff);
-}
+void EncodeLength(uint32_t n, std::byte* out) { wire_bytes::StoreLE(out, n); }
 
-uint32_t DecodeLength(const std::byte* in) {
-  uint32_t n = 0;
-  for (int i = 0; i < 4; ++i) n |= std::to_integer<uint32_t>(in[i]) << (8 * i);
-  return n;
-}
+uint32_t DecodeLength(const std::byte* in) { return wire_bytes::LoadLE<uint32_t>(in); }
 
 absl::Status ValidateOptions(const TcpOptions& options) {
   if (options.max_message_size > std::numeric_limits<uint32_t>::max()) {
@@ -292,6 +291,7 @@ class ConnectionCore final : public std::enable_shared_from_this<ConnectionCore>
         peer_(std::move(peer)),
         pool_(options.pooled_buffers, options.pooled_buffer_max_bytes) {
     in_flight_.reserve(kMaxBatch);
+    written_.reserve(kMaxBatch);
   }
   ConnectionCore(const ConnectionCore&) = delete;
   ConnectionCore& operator=(const ConnectionCore&) = delete;
@@ -468,8 +468,11 @@ class ConnectionCore final : public std::enable_shared_from_this<ConnectionCore>
                               if (ec || !self->status_.ok()) return self->OnReadError(ec);
                               self->rend_ += n;
                               self->in_io_handler_ = true;
+                              self->in_read_handler_ = true;
                               self->ReadLoop();
                               self->in_io_handler_ = false;
+                              self->in_read_handler_ = false;
+                              if (!self->written_.empty()) self->CompleteWritten();
                             }));
   }
 
@@ -492,6 +495,7 @@ class ConnectionCore final : public std::enable_shared_from_this<ConnectionCore>
       return OnReadError(ec);
     }
     in_io_handler_ = true;
+    in_read_handler_ = true;
     Deliver(std::move(body_));
     if (HasQueueRoom()) {
       ReadLoop();
@@ -499,6 +503,8 @@ class ConnectionCore final : public std::enable_shared_from_this<ConnectionCore>
       reading_ = false;
     }
     in_io_handler_ = false;
+    in_read_handler_ = false;
+    if (!written_.empty()) CompleteWritten();
   }
 
   void OnReadError(error_code ec) {
@@ -566,19 +572,80 @@ class ConnectionCore final : public std::enable_shared_from_this<ConnectionCore>
 
   // ---- send path
 
+  // Writes the queued frames (up to kMaxBatch) with one sendmsg() straight
+  // away: the socket almost always has room, and a write that takes all of
+  // them costs one syscall instead of a reactor operation and an event-loop
+  // turn (~1,200 instructions a message over loopback, bench/cpu_per_call).
+  // Their handlers run later, never inside Send(): at the end of the read
+  // handler we are in, or from one posted operation (CompleteWritten). What
+  // the socket does not take goes through async_write.
   void WriteBatch() {
     writing_ = true;
     size_t n = 0;
+    size_t total = 0;
     while (!send_queue_.empty() && n < kMaxBatch) {
       PendingSend& s = send_queue_.front();
       iov_[n++] = asio::const_buffer(pool_.memory(s.token) + kSendPrefix - kHeaderBytes, kHeaderBytes + s.size);
+      total += kHeaderBytes + s.size;
       in_flight_.push_back(std::move(s));
       send_queue_.pop_front();
     }
-    asio::async_write(socket_, BufferView{iov_.data(), iov_.data() + n},
+    std::array<iovec, kMaxBatch> vec;
+    for (size_t i = 0; i < n; ++i) vec[i] = iovec{const_cast<void*>(iov_[i].data()), iov_[i].size()};
+    msghdr msg{};
+    msg.msg_iov = vec.data();
+    msg.msg_iovlen = n;
+    const ssize_t w = ::sendmsg(socket_.native_handle(), &msg, MSG_NOSIGNAL | MSG_DONTWAIT);
+    if (w >= 0 && static_cast<size_t>(w) == total) return OnWrittenNow();
+    if (w < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR) {
+      const error_code ec(errno, boost::system::system_category());
+      Fail(absl::UnavailableError(absl::StrCat("write to ", peer_, " failed: ", ec.message())));
+      return OnWrittenNow();
+    }
+    // Partly written (or not at all): the reactor writes the rest.
+    size_t skip = w > 0 ? static_cast<size_t>(w) : 0;
+    size_t first = 0;
+    while (skip >= iov_[first].size()) skip -= iov_[first++].size();
+    iov_[first] += skip;
+    asio::async_write(socket_, BufferView{iov_.data() + first, iov_.data() + n},
                       WithMemory(write_memory_, [self = shared_from_this()](error_code ec, size_t) {
                         self->OnWritten(ec);
                       }));
+  }
+
+  // The batch left with sendmsg() (or failed): the socket is free again, the
+  // buffers go back now, the handlers run later (see WriteBatch).
+  void OnWrittenNow() {
+    for (PendingSend& s : in_flight_) {
+      pool_.Release(s.token);
+      written_.push_back(std::move(s));
+    }
+    in_flight_.clear();
+    writing_ = false;
+    if (!in_read_handler_ && !complete_posted_) {
+      complete_posted_ = true;
+      asio::post(ex_, WithMemory(complete_memory_, [self = shared_from_this()] {
+                   self->complete_posted_ = false;
+                   self->CompleteWritten();
+                 }));
+    }
+  }
+
+  void CompleteWritten() {
+    // OK unless the connection failed or was closed since (the contract of
+    // OnWritten below).
+    const absl::Status result = status_;
+    std::vector<PendingSend> done;
+    done.swap(written_);
+    for (PendingSend& s : done) {
+      if (result.ok()) {
+        messages_sent_.fetch_add(1, std::memory_order_relaxed);
+        bytes_sent_.fetch_add(s.size, std::memory_order_relaxed);
+      }
+      DispatchCompletion(ex_, std::move(s.handler), result);
+    }
+    done.clear();
+    if (written_.empty()) written_.swap(done);  // keep the capacity
   }
 
   void OnWritten(error_code ec) {
@@ -668,12 +735,16 @@ class ConnectionCore final : public std::enable_shared_from_this<ConnectionCore>
   uint64_t next_receive_id_ = 1;
   bool reading_ = false;
   bool in_io_handler_ = false;  // inside the socket read handler: completions may run at once
+  bool in_read_handler_ = false;  // the same, for the whole handler: written_ completes at its end
 
   // Send path.
   Fifo<PendingSend> send_queue_;
   std::vector<PendingSend> in_flight_;  // The batch being written.
   std::array<asio::const_buffer, kMaxBatch> iov_{};
   bool writing_ = false;
+  std::vector<PendingSend> written_;  // Written by WriteBatch() itself; handlers not run yet.
+  bool complete_posted_ = false;
+  OpMemory complete_memory_;
 
   // OK while usable; the first failure, or CANCELLED after Close().
   absl::Status status_;
