@@ -463,17 +463,28 @@ class ConnectionCore final : public std::enable_shared_from_this<ConnectionCore>
       rend_ -= rpos_;
       rpos_ = 0;
     }
-    socket_.async_read_some(asio::buffer(rbuf_.get() + rend_, kReadBuffer - rend_),
-                            WithMemory(read_memory_, [self = shared_from_this()](error_code ec, size_t n) {
-                              if (ec || !self->status_.ok()) return self->OnReadError(ec);
-                              self->rend_ += n;
-                              self->in_io_handler_ = true;
-                              self->in_read_handler_ = true;
-                              self->ReadLoop();
-                              self->in_io_handler_ = false;
-                              self->in_read_handler_ = false;
-                              if (!self->written_.empty()) self->CompleteWritten();
-                            }));
+    // Wait for readability, then recv() ourselves: async_read_some would first
+    // try a recv() that finds nothing (we just drained the socket), and costs
+    // a reactor operation more per message.
+    socket_.async_wait(tcp::socket::wait_read, WithMemory(read_memory_, [self = shared_from_this()](error_code ec) {
+                         if (ec || !self->status_.ok()) return self->OnReadError(ec);
+                         self->OnReadable();
+                       }));
+  }
+
+  void OnReadable() {
+    const ssize_t n = ::recv(socket_.native_handle(), rbuf_.get() + rend_, kReadBuffer - rend_, MSG_DONTWAIT);
+    if (n <= 0) {
+      if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)) return ReadLoop();  // spurious
+      return OnReadError(n == 0 ? error_code(asio::error::eof) : error_code(errno, boost::system::system_category()));
+    }
+    rend_ += static_cast<size_t>(n);
+    in_io_handler_ = true;
+    in_read_handler_ = true;
+    ReadLoop();
+    in_io_handler_ = false;
+    in_read_handler_ = false;
+    if (!written_.empty()) CompleteWritten();
   }
 
   void ReadLarge(uint32_t size) {
