@@ -1,6 +1,7 @@
 #include "transport/handler_memory.h"
 
 #include <algorithm>
+#include <bit>
 #include <new>
 
 namespace rdmarpc::transport {
@@ -39,38 +40,53 @@ struct FreeBlock {
   FreeBlock* next;
 };
 
-// Trivially destructible, so readable after the cache below is destroyed at
-// thread exit (late frees then go straight to the heap).
-thread_local bool t_cache_gone = false;
-
+// The per-thread cache is trivially destructible with a constant initialiser,
+// so the hot path reaches it with one %fs-relative access (no TLS guard, no
+// init call); it stays readable after the thread's destructors ran (late
+// frees then go straight to the heap). Its blocks are freed by Reaper, a
+// second thread_local that the first refill arms.
 struct Cache {
   FreeBlock* head[kClasses] = {};
   unsigned count[kClasses] = {};
   unsigned out[kClasses] = {};  // Handed out by this thread, not yet back to it.
   unsigned cap = kMaxCached;
-  ~Cache() {
-    t_cache_gone = true;
+  bool armed = false;  // Reaper registered
+  bool gone = false;   // Reaper ran: the thread is exiting
+};
+constinit thread_local Cache t_cache;
+
+struct Reaper {
+  void Arm() noexcept {}
+  ~Reaper() {
+    Cache& cache = t_cache;
+    cache.gone = true;
     for (int c = 0; c < kClasses; ++c) {
-      while (head[c] != nullptr) {
-        FreeBlock* b = head[c];
-        head[c] = b->next;
+      while (cache.head[c] != nullptr) {
+        FreeBlock* b = cache.head[c];
+        cache.head[c] = b->next;
         ::operator delete(b, kClassSize[c]);
       }
+      cache.count[c] = 0;
     }
   }
-  void Add(int c) {
-    auto* b = static_cast<FreeBlock*>(::operator new(kClassSize[c]));
-    b->next = head[c];
-    head[c] = b;
-    ++count[c];
-  }
 };
-thread_local Cache t_cache;
+thread_local Reaper t_reaper;
 
+void Add(Cache& cache, int c) {
+  if (!cache.armed) {
+    cache.armed = true;
+    t_reaper.Arm();  // first use constructs it and registers its destructor
+  }
+  auto* b = static_cast<FreeBlock*>(::operator new(kClassSize[c]));
+  b->next = cache.head[c];
+  cache.head[c] = b;
+  ++cache.count[c];
+}
+
+// 64 -> 0, 128 -> 1, ... 1024 -> 4; -1 above.
 inline int ClassOf(std::size_t size) {
-  for (int c = 0; c < kClasses; ++c)
-    if (size <= kClassSize[c]) return c;
-  return -1;
+  if (size > kClassSize[kClasses - 1]) return -1;
+  return size <= 64 ? 0 : static_cast<int>(std::bit_width(size - 1)) - 6;
 }
 
 }  // namespace
@@ -79,13 +95,15 @@ void* HandlerAllocate(std::size_t size, std::size_t align) {
   if (align > __STDCPP_DEFAULT_NEW_ALIGNMENT__) return ::operator new(size, std::align_val_t(align));
   const int c = ClassOf(size);
   if (c < 0) return ::operator new(size);
-  if (kCache && !t_cache_gone) {
+  if (kCache) {
     Cache& cache = t_cache;
-    if (cache.head[c] == nullptr) {
+    FreeBlock* b = cache.head[c];
+    if (b == nullptr && !cache.gone) [[unlikely]] {
       const unsigned want = std::max(kRefill, cache.out[c]);
-      for (unsigned i = 0; i < want && cache.count[c] < cache.cap; ++i) cache.Add(c);
+      for (unsigned i = 0; i < want && cache.count[c] < cache.cap; ++i) Add(cache, c);
+      b = cache.head[c];
     }
-    if (FreeBlock* b = cache.head[c]) {
+    if (b != nullptr) {
       cache.head[c] = b->next;
       --cache.count[c];
       ++cache.out[c];
@@ -100,10 +118,10 @@ void HandlerDeallocate(void* p, std::size_t size, std::size_t align) noexcept {
   if (align > __STDCPP_DEFAULT_NEW_ALIGNMENT__) return ::operator delete(p, std::align_val_t(align));
   const int c = ClassOf(size);
   if (c < 0) return ::operator delete(p);
-  if (kCache && !t_cache_gone) {
+  if (kCache) {
     Cache& cache = t_cache;
-    if (cache.out[c] > 0) --cache.out[c];  // approximate when blocks cross threads
-    if (cache.count[c] < cache.cap) {
+    cache.out[c] -= cache.out[c] > 0;  // approximate when blocks cross threads
+    if (cache.count[c] < cache.cap && !cache.gone) {
       auto* b = static_cast<FreeBlock*>(p);
       b->next = cache.head[c];
       cache.head[c] = b;
@@ -117,11 +135,11 @@ void HandlerDeallocate(void* p, std::size_t size, std::size_t align) noexcept {
 }  // namespace detail
 
 void ReserveHandlerMemory(unsigned n) {
-  if (!detail::kCache || detail::t_cache_gone) return;
+  if (!detail::kCache || detail::t_cache.gone) return;
   detail::Cache& cache = detail::t_cache;
   cache.cap = std::max(cache.cap, n);
   for (int c = 0; c < detail::kClasses && detail::kClassSize[c] <= detail::kReservedClassMax; ++c)
-    while (cache.count[c] + cache.out[c] < n) cache.Add(c);
+    while (cache.count[c] + cache.out[c] < n) detail::Add(cache, c);
 }
 
 }  // namespace rdmarpc::transport
