@@ -14,6 +14,7 @@
 #include "absl/container/flat_hash_map.h"
 #include "absl/strings/str_cat.h"
 #include "rpc/frame.h"
+#include "rpc/receive_sink.h"
 #include "transport/common/log.h"
 #include "transport/completion.h"
 #include "transport/handler_memory.h"
@@ -86,6 +87,8 @@ class Channel::Impl : public std::enable_shared_from_this<Impl> {
     bool live() const;
   };
   struct Conn {
+    // Declared before c: the connection (closed by its destructor) goes first.
+    std::unique_ptr<transport::MessageSink> sink;  // set: messages come through it, no Receive() loop
     std::unique_ptr<Connection> c;
     std::shared_ptr<const std::string> peer;
     bool dead = false;
@@ -153,6 +156,10 @@ class Channel::Impl : public std::enable_shared_from_this<Impl> {
                    StatusCode status = StatusCode::kOk);
   void StartConnect();
   void OnConnected(absl::StatusOr<std::unique_ptr<Connection>> result);
+  template <typename, typename>
+  friend class internal::ReceiveSink;
+  // Messages through a sink when the transport has one, else Receive() after Receive().
+  void StartReceiving(const std::shared_ptr<Conn>& conn);
   void Receive(std::shared_ptr<Conn> conn);
   void OnReceive(const std::shared_ptr<Conn>& conn, absl::StatusOr<Message> message);
   void ConnFailed(const std::shared_ptr<Conn>& conn, const Status& why);
@@ -616,7 +623,7 @@ void Channel::Impl::OnConnected(absl::StatusOr<std::unique_ptr<Connection>> resu
   state_ = State::kReady;
   last_error_ = Status();
   RDMARPC_LOG(kInfo, "channel", "event=established target=", target_, " peer=", *conn->peer);
-  Receive(conn);
+  StartReceiving(conn);
   if (!keepalive_armed_ && internal::Keepalive::Enabled(options_.keepalive)) ArmKeepalive();
   for (Ref r : std::exchange(queued_, {}))
     if (r.live() && r.call->state == CallState::kQueued && conn_ == conn) Send(r.call);
@@ -672,6 +679,10 @@ void Channel::Impl::ArmKeepalive() {
     }
     if (!self->keepalive_armed_ && self->conn_ && !self->closed_) self->ArmKeepalive();
   }));
+}
+
+void Channel::Impl::StartReceiving(const std::shared_ptr<Conn>& conn) {
+  if (!internal::InstallReceiveSink(shared_from_this(), conn)) Receive(conn);
 }
 
 void Channel::Impl::Receive(std::shared_ptr<Conn> conn) {
@@ -772,7 +783,7 @@ void Channel::Impl::OnReceive(const std::shared_ptr<Conn>& conn, absl::StatusOr<
       ConnFailed(conn, InternalError("peer sent a request/cancel frame to a client"));
       return;
   }
-  if (!conn->dead) Receive(conn);
+  if (!conn->dead && !conn->sink) Receive(conn);
 }
 
 void Channel::Impl::ConnFailed(const std::shared_ptr<Conn>& conn, const Status& why) {

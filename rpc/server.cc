@@ -20,6 +20,7 @@
 #include "absl/strings/str_join.h"
 #include "rpc/admin.h"
 #include "rpc/frame.h"
+#include "rpc/receive_sink.h"
 #include "transport/common/log.h"
 #include "transport/completion.h"
 #include "transport/handler_memory.h"
@@ -87,6 +88,8 @@ class Server::Impl : public std::enable_shared_from_this<Impl> {
   CallPtr NewCall(const Service::Method* method);
 
   struct Conn {
+    // Declared before c: the connection (closed by its destructor) goes first.
+    std::unique_ptr<transport::MessageSink> sink;  // set: messages come through it, no Receive() loop
     std::unique_ptr<Connection> c;
     std::string peer;
     uint64_t id = 0;  // 1, 2, ... in accept order (logs, /connections)
@@ -138,6 +141,10 @@ class Server::Impl : public std::enable_shared_from_this<Impl> {
   // listeners_[index] broke (its RDMA device was removed): listen on its URI
   // again every second until the device is back.
   void Relisten(size_t index, int attempt);
+  template <typename, typename>
+  friend class internal::ReceiveSink;
+  // Messages through a sink when the transport has one, else Receive() after Receive().
+  void StartReceiving(const std::shared_ptr<Conn>& conn);
   void Receive(std::shared_ptr<Conn> conn);
   void OnReceive(const std::shared_ptr<Conn>& conn, absl::StatusOr<Message> message);
   void OnRequest(const std::shared_ptr<Conn>& conn, Message message, const rpc::DecodedFrame& f);
@@ -386,7 +393,7 @@ void Server::Impl::Accept(transport::Listener* listener) {
     self->conns_.push_back(conn);
     // The transport hands over established connections: accepted = established.
     RDMARPC_LOG(kInfo, "server", "event=accepted conn=", conn->id, " peer=", conn->peer);
-    self->Receive(conn);
+    self->StartReceiving(conn);
     self->Accept(listener);
   });
 }
@@ -417,6 +424,10 @@ void Server::Impl::Relisten(size_t index, int attempt) {
     self->listeners_[index] = std::move(*listener);
     self->Accept(self->listeners_[index].get());
   });
+}
+
+void Server::Impl::StartReceiving(const std::shared_ptr<Conn>& conn) {
+  if (!internal::InstallReceiveSink(shared_from_this(), conn)) Receive(conn);
 }
 
 void Server::Impl::Receive(std::shared_ptr<Conn> conn) {
@@ -476,7 +487,7 @@ void Server::Impl::OnReceive(const std::shared_ptr<Conn>& conn, absl::StatusOr<M
       CloseConn(conn, InvalidArgumentError("client sent a server-only frame"));
       return;
   }
-  if (!conn->dead) Receive(conn);
+  if (!conn->dead && !conn->sink) Receive(conn);
 }
 
 void Server::Impl::OnStreamFrame(const std::shared_ptr<Conn>& conn, const rpc::DecodedFrame& f) {

@@ -156,6 +156,25 @@ std::string SummarizeStats(const ConnectionStats& s);
 using SendHandler = asio::any_completion_handler<void(absl::Status)>;
 using ReceiveHandler = asio::any_completion_handler<void(absl::StatusOr<Message>)>;
 
+// The receiving side for a consumer that takes every message as it arrives
+// (an RPC endpoint), instead of asking with Receive() for each one: no
+// handler is built, queued and dispatched per message (~450 instructions a
+// message over TCP, bench/cpu_per_call). Connection::SetSink() installs it.
+class MessageSink {
+ public:
+  virtual ~MessageSink() = default;
+  // One message, in arrival order, on the connection's executor, from the
+  // transport's own I/O or completion handler: never inside a call the
+  // consumer made on this connection. It may Send(), Close() the connection
+  // or destroy it (and the sink with it); the transport checks before it
+  // delivers the next message.
+  virtual void OnMessage(Message message) = 0;
+  // Once, when the connection fails, with the status Receive() would report;
+  // nothing is delivered after it. Posted, not from inside a call. Not called
+  // once the consumer called Close().
+  virtual void OnConnectionError(absl::Status status) = 0;
+};
+
 class Connection {
  public:
   virtual ~Connection() = default;
@@ -172,6 +191,15 @@ class Connection {
   // Queues `buffer` for sending; completes once the transport is done with it.
   virtual void Send(SendBuffer buffer, SendHandler handler) = 0;
   virtual void Receive(ReceiveHandler handler) = 0;
+  // Hands every message from now on to `sink` (messages received before go
+  // first, from a posted operation); Receive() then fails with
+  // FAILED_PRECONDITION. Once per connection, before any Receive(). `sink`
+  // must stay valid until Close() or the connection's destruction. False
+  // when the backend has no sink: use Receive().
+  virtual bool SetSink(MessageSink* sink) {
+    (void)sink;
+    return false;
+  }
   // Idempotent. Pending operations complete with CANCELLED; the peer sees the
   // connection end (its operations fail with UNAVAILABLE).
   virtual void Close() = 0;

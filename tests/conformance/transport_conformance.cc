@@ -467,6 +467,151 @@ TEST_P(TransportConformance, HandlersRunOnTheirAssociatedExecutorNeverInline) {
   ExpectWorks(*pair, 32);
 }
 
+// ---- 3b. message sink -----------------------------------------------------------------
+
+namespace {
+
+// Records what a MessageSink is given; optionally answers or closes from inside.
+struct RecordingSink final : transport::MessageSink {
+  std::vector<std::vector<std::byte>> messages;
+  std::vector<absl::Status> errors;
+  bool set_returned = false;
+  bool called_before_set_returned = false;
+  bool after_error = false;  // a message came after the error
+  std::function<void(transport::Message&)> on_message;
+  void OnMessage(transport::Message message) override {
+    called_before_set_returned |= !set_returned;
+    after_error |= !errors.empty();
+    messages.emplace_back(message.data().begin(), message.data().end());
+    if (on_message) on_message(message);
+  }
+  void OnConnectionError(absl::Status status) override {
+    called_before_set_returned |= !set_returned;
+    errors.push_back(std::move(status));
+  }
+};
+
+}  // namespace
+
+TEST_P(TransportConformance, SinkGetsEveryMessageInOrderOnceIncludingThoseBeforeIt) {
+  auto pair = ConnectPair();
+  ASSERT_TRUE(pair.ok()) << pair.status();
+  Connection& client = *pair->client;
+  Connection& server = *pair->server;
+  // Some messages arrive before the sink is set; they must come first.
+  constexpr int kEarly = 5, kLate = 300;
+  for (int i = 0; i < kEarly; ++i) ASSERT_TRUE(SendAndWait(client, Payload(41, i, 10 + i)).ok());
+  RunFor(std::chrono::milliseconds(50));
+  RecordingSink sink;
+  ASSERT_TRUE(server.SetSink(&sink)) << "backend has no MessageSink";
+  sink.set_returned = true;
+  // Receive() is refused from now on, clearly.
+  auto refused = std::make_shared<std::optional<absl::Status>>();
+  server.async_receive([refused](absl::StatusOr<Message> m) { *refused = m.status(); });
+  // The rest while the sink runs, one send after another (a backend may
+  // refuse sends beyond its slots), sizes across the eager limit.
+  auto sends_done = std::make_shared<int>(0);
+  const size_t large = std::min<size_t>(100'000, GetParam().max_message_size);
+  auto size_of = [large](int i) {
+    return i < kEarly ? size_t(10 + i) : i % 50 == 0 ? large : size_t{1} + static_cast<size_t>(i * 13 % 500);
+  };
+  std::function<void(int)> send_from = [&](int i) {
+    if (i == kEarly + kLate) return;
+    std::vector<std::byte> bytes = Payload(41, i, size_of(i));
+    client.async_send(std::span<const std::byte>(bytes), [&, i](absl::Status st) {
+      EXPECT_TRUE(st.ok()) << st;
+      ++*sends_done;
+      send_from(i + 1);
+    });
+  };
+  send_from(kEarly);
+  ASSERT_TRUE(RunUntil([&] { return sink.messages.size() >= size_t{kEarly + kLate} && refused->has_value(); }))
+      << sink.messages.size() << " messages";
+  RunFor(std::chrono::milliseconds(50));  // nothing more may come
+  ASSERT_EQ(sink.messages.size(), size_t{kEarly + kLate}) << "duplicates";
+  for (int i = 0; i < kEarly + kLate; ++i)
+    ASSERT_EQ(CheckPayload(sink.messages[i], 41, i, size_of(i)), "") << "message " << i;
+  EXPECT_FALSE(sink.called_before_set_returned) << "SetSink() delivered inside the call";
+  EXPECT_TRUE(sink.errors.empty());
+  EXPECT_EQ((*refused)->code(), absl::StatusCode::kFailedPrecondition) << **refused;
+  EXPECT_EQ(*sends_done, kLate);
+  EXPECT_FALSE(server.SetSink(&sink)) << "a second sink was accepted";
+}
+
+TEST_P(TransportConformance, SinkAnswersFromInsideAndHearsThePeerLeaveOnce) {
+  auto pair = ConnectPair();
+  ASSERT_TRUE(pair.ok()) << pair.status();
+  Connection& client = *pair->client;
+  Connection& server = *pair->server;
+  RecordingSink sink;
+  auto answered = std::make_shared<int>(0);
+  auto inline_send = std::make_shared<bool>(false);
+  // An echo server: Send() from inside OnMessage, as an RPC server answers.
+  sink.on_message = [&server, answered, inline_send](transport::Message& m) {
+    std::vector<std::byte> copy(m.data().begin(), m.data().end());
+    auto returned = std::make_shared<bool>(false);
+    server.async_send(std::span<const std::byte>(copy), [answered, inline_send, returned](absl::Status st) {
+      *inline_send |= !*returned;
+      if (st.ok()) ++*answered;
+    });
+    *returned = true;
+  };
+  ASSERT_TRUE(server.SetSink(&sink));
+  sink.set_returned = true;
+  constexpr int kRounds = 200;
+  int echoed = 0;
+  std::string failure;
+  std::function<void(int)> round = [&](int i) {
+    if (i == kRounds) return;
+    std::vector<std::byte> bytes = Payload(43, i, 32 + i);
+    client.async_send(std::span<const std::byte>(bytes), [](absl::Status) {});
+    client.async_receive([&, i](absl::StatusOr<Message> m) {
+      if (!m.ok()) {
+        failure = m.status().ToString();
+        return;
+      }
+      if (auto bad = CheckPayload(m->data(), 43, i, 32 + i); !bad.empty() && failure.empty()) failure = bad;
+      ++echoed;
+      round(i + 1);
+    });
+  };
+  round(0);
+  ASSERT_TRUE(RunUntil([&] { return echoed == kRounds || !failure.empty(); })) << echoed << " echoed";
+  ASSERT_EQ(failure, "");
+  ASSERT_TRUE(RunUntil([&] { return *answered == kRounds; }));
+  EXPECT_FALSE(*inline_send) << "a send handler ran inside Send() from the sink";
+  // The peer leaves: one error, nothing after it.
+  client.Close();
+  ASSERT_TRUE(RunUntil([&] { return !sink.errors.empty(); })) << "the sink never heard the peer leave";
+  RunFor(std::chrono::milliseconds(100));
+  ASSERT_EQ(sink.errors.size(), 1u);
+  EXPECT_FALSE(sink.errors[0].ok());
+  EXPECT_FALSE(sink.after_error);
+  EXPECT_FALSE(sink.called_before_set_returned);
+}
+
+TEST_P(TransportConformance, SinkThatClosesTheConnectionHearsNothingMore) {
+  auto pair = ConnectPair();
+  ASSERT_TRUE(pair.ok()) << pair.status();
+  Connection& client = *pair->client;
+  Connection& server = *pair->server;
+  RecordingSink sink;
+  // Closes at the third message while more are queued behind it.
+  sink.on_message = [&server, &sink](transport::Message&) {
+    if (sink.messages.size() == 3) server.Close();
+  };
+  ASSERT_TRUE(server.SetSink(&sink));
+  sink.set_returned = true;
+  for (int i = 0; i < 20; ++i) {
+    std::vector<std::byte> bytes = Payload(44, i, 16);
+    client.async_send(std::span<const std::byte>(bytes), [](absl::Status) {});
+  }
+  ASSERT_TRUE(RunUntil([&] { return sink.messages.size() >= 3; }));
+  RunFor(std::chrono::milliseconds(200));
+  EXPECT_EQ(sink.messages.size(), 3u) << "messages after Close() from inside the sink";
+  EXPECT_TRUE(sink.errors.empty()) << "OnConnectionError after the consumer's own Close(): " << sink.errors[0];
+}
+
 // ---- 4. receive cancellation ------------------------------------------------------------
 
 TEST_P(TransportConformance, CancelledReceiveCompletesCancelledAndLosesNothing) {

@@ -352,6 +352,12 @@ class RdmaConnectionImpl final : public std::enable_shared_from_this<RdmaConnect
   }
 
   void Receive(ReceiveHandler handler) {
+    if (sink_ != nullptr) {
+      transport::PostCompletion(ex_, std::move(handler),
+                                absl::StatusOr<transport::Message>(
+                                    absl::FailedPreconditionError("Receive() on a connection with a MessageSink")));
+      return;
+    }
     if (!error_.ok() && ready_.empty()) {
       transport::PostCompletion(ex_, std::move(handler), error_);
       return;
@@ -373,9 +379,18 @@ class RdmaConnectionImpl final : public std::enable_shared_from_this<RdmaConnect
     Deliver();
   }
 
+  bool SetSink(transport::MessageSink* sink) {
+    if (sink == nullptr || sink_ != nullptr || closed_by_user_ || !receivers_.empty()) return false;
+    sink_ = sink;
+    if (!ready_.empty() || !error_.ok()) PostSinkDrain();
+    return true;
+  }
+
   void Close() {
     if (closed_by_user_) return;
     closed_by_user_ = true;
+    sink_ = nullptr;
+    sink_ready_.clear();
     Fail(absl::CancelledError("connection closed locally"), /*log=*/false);
   }
 
@@ -999,25 +1014,42 @@ class RdmaConnectionImpl final : public std::enable_shared_from_this<RdmaConnect
     return absl::OkStatus();
   }
 
-  // Hands ready messages, in arrival order, to waiting receivers.
+  // The message at the front of ready_, if it may be read (a large one once
+  // its window is revoked).
+  std::optional<Message> TakeReady() {
+    if (ready_.empty()) return std::nullopt;
+    ReadyEntry e = ready_.front();
+    Message msg;
+    if (e.large) {
+      LargeIn& in = large_in_.at(e.index);
+      if (!in.complete) return std::nullopt;
+      msg = Message({in.data, e.size}, this, MakeToken(kTokLargeIn, e.index));
+    } else {
+      msg = Message({RecvSlot(static_cast<uint32_t>(e.index)) + wire::kHeaderSize, e.size}, this,
+                    MakeToken(kTokRecvSlot, e.index));
+    }
+    ready_.pop_front();
+    return msg;
+  }
+
+  // Hands ready messages, in arrival order, to waiting receivers (or to the
+  // sink: collected during a completion batch and handed over at its end, in
+  // FlushCompletions, like receive handlers).
   void Deliver() {
+    if (sink_ != nullptr) {
+      if (!in_completions_) return PostSinkDrain();
+      while (std::optional<Message> msg = TakeReady()) sink_ready_.push_back(std::move(*msg));
+      if (!error_.ok() && ready_.empty()) PostSinkDrain();
+      return;
+    }
     for (;;) {
       while (!receivers_.empty() && !receivers_.front().handler) receivers_.pop_front();  // cancelled
-      if (ready_.empty() || receivers_.empty()) break;
-      ReadyEntry e = ready_.front();
-      Message msg;
-      if (e.large) {
-        LargeIn& in = large_in_.at(e.index);
-        if (!in.complete) break;
-        msg = Message({in.data, e.size}, this, MakeToken(kTokLargeIn, e.index));
-      } else {
-        msg = Message({RecvSlot(static_cast<uint32_t>(e.index)) + wire::kHeaderSize, e.size}, this,
-                      MakeToken(kTokRecvSlot, e.index));
-      }
-      ready_.pop_front();
+      if (receivers_.empty()) break;
+      std::optional<Message> msg = TakeReady();
+      if (!msg) break;
       ReceiveHandler h = std::move(receivers_.front().handler);
       receivers_.pop_front();
-      CompleteReceive(std::move(h), std::move(msg));
+      CompleteReceive(std::move(h), std::move(*msg));
     }
     if (!error_.ok() && ready_.empty()) FailReceivers();
   }
@@ -1101,8 +1133,14 @@ class RdmaConnectionImpl final : public std::enable_shared_from_this<RdmaConnect
   // handler that sends, receives or closes sees a consistent connection.
   // Kept alive meanwhile: a handler may drop the last outside reference.
   void FlushCompletions() {
-    if (done_sends_.empty() && done_receives_.empty()) return;
+    if (done_sends_.empty() && done_receives_.empty() && sink_ready_.empty()) return;
     auto self = shared_from_this();
+    // The sink may Close() (which empties sink_ready_) or drop the connection.
+    while (sink_ != nullptr && !sink_ready_.empty()) {
+      Message msg = std::move(sink_ready_.front());
+      sink_ready_.pop_front();
+      sink_->OnMessage(std::move(msg));
+    }
     while (!done_sends_.empty()) {
       SendHandler h = std::move(done_sends_.front());
       done_sends_.pop_front();
@@ -1141,7 +1179,37 @@ class RdmaConnectionImpl final : public std::enable_shared_from_this<RdmaConnect
     if (poller_) poller_->Stop();
   }
 
+  void PostSinkDrain() {
+    if (sink_drain_posted_) return;
+    sink_drain_posted_ = true;
+    asio::post(ex_, transport::WithHandlerMemory([self = shared_from_this()] {
+                 self->sink_drain_posted_ = false;
+                 self->DrainSink();
+               }));
+  }
+
+  // Outside a completion batch: what is ready (messages that arrived before
+  // the sink was set, or before a failure), then the failure.
+  void DrainSink() {
+    while (sink_ != nullptr && !sink_ready_.empty()) {
+      Message msg = std::move(sink_ready_.front());
+      sink_ready_.pop_front();
+      sink_->OnMessage(std::move(msg));
+    }
+    while (sink_ != nullptr) {
+      std::optional<Message> msg = TakeReady();
+      if (!msg) break;
+      sink_->OnMessage(std::move(*msg));
+    }
+    // A large message still unrevoked at a failure never completes.
+    if (sink_ != nullptr && !error_.ok()) {
+      transport::MessageSink* sink = std::exchange(sink_, nullptr);
+      sink->OnConnectionError(error_);
+    }
+  }
+
   void FailReceivers() {
+    if (sink_ != nullptr) PostSinkDrain();
     while (!receivers_.empty()) {
       ReceiveHandler h = std::move(receivers_.front().handler);
       receivers_.pop_front();
@@ -1327,6 +1395,9 @@ class RdmaConnectionImpl final : public std::enable_shared_from_this<RdmaConnect
     Message message;
   };
   bool in_completions_ = false;
+  transport::MessageSink* sink_ = nullptr;  // SetSink(): gets every message instead of receivers_
+  transport::Fifo<Message> sink_ready_;      // for the sink at the end of this completion batch
+  bool sink_drain_posted_ = false;
   transport::Fifo<SendHandler> done_sends_;
   transport::Fifo<DoneReceive> done_receives_;
   uint64_t next_receive_id_ = 1;
@@ -1355,6 +1426,7 @@ class RdmaConnection final : public transport::Connection {
     impl_->Send(std::move(buffer), std::move(handler));
   }
   void Receive(transport::ReceiveHandler handler) override { impl_->Receive(std::move(handler)); }
+  bool SetSink(transport::MessageSink* sink) override { return impl_->SetSink(sink); }
   void Close() override { impl_->Close(); }
   transport::ConnectionStats stats() const override { return impl_->stats(); }
   void SendRegistered(std::shared_ptr<const Buffer> buffer, transport::SendHandler handler) {

@@ -347,6 +347,11 @@ class ConnectionCore final : public std::enable_shared_from_this<ConnectionCore>
   }
 
   void Receive(ReceiveHandler handler) {
+    if (sink_ != nullptr) {
+      PostCompletion(ex_, std::move(handler),
+                     absl::StatusOr<Message>(absl::FailedPreconditionError("Receive() on a connection with a MessageSink")));
+      return;
+    }
     if (!ready_.empty()) {
       Message message = std::move(ready_.front());
       ready_.pop_front();
@@ -365,9 +370,17 @@ class ConnectionCore final : public std::enable_shared_from_this<ConnectionCore>
     receivers_.push_back(PendingReceive{std::move(handler), id});
   }
 
+  bool SetSink(MessageSink* sink) {
+    if (sink == nullptr || sink_ != nullptr || closed_ || !receivers_.empty()) return false;
+    sink_ = sink;
+    if (!ready_.empty() || !status_.ok()) PostDrainToSink();
+    return true;
+  }
+
   void Close() {
     if (closed_) return;
     closed_ = true;
+    sink_ = nullptr;
     status_ = absl::CancelledError(absl::StrCat("connection to ", peer_, " was closed locally"));
     ShutDownSocket();
     FailWaiting();
@@ -531,6 +544,12 @@ class ConnectionCore final : public std::enable_shared_from_this<ConnectionCore>
   void Deliver(Message message) {
     messages_received_.fetch_add(1, std::memory_order_relaxed);
     bytes_received_.fetch_add(message.size(), std::memory_order_relaxed);
+    if (sink_ != nullptr && ready_.empty()) {
+      // Only ever from the read handler or DrainToSink, never inside a call
+      // the consumer made (Receive() is refused once a sink is set).
+      sink_->OnMessage(std::move(message));
+      return;
+    }
     if (std::optional<ReceiveHandler> receiver = PopReceiver()) {
       // From the read handler: run the receiver now instead of queueing it
       // behind a reactor pass (one event-loop turn less per message). Not
@@ -543,6 +562,33 @@ class ConnectionCore final : public std::enable_shared_from_this<ConnectionCore>
       ready_bytes_ += message.size();
       ready_.push_back(std::move(message));
     }
+  }
+
+  void PostDrainToSink() {
+    if (drain_posted_) return;
+    drain_posted_ = true;
+    asio::post(ex_, WithMemory(drain_memory_, [self = shared_from_this()] {
+                 self->drain_posted_ = false;
+                 self->DrainToSink();
+               }));
+  }
+
+  // Messages that arrived before the sink was set (or while it was being
+  // drained), then the connection's error, if any.
+  void DrainToSink() {
+    while (sink_ != nullptr && !ready_.empty()) {
+      Message message = std::move(ready_.front());
+      ready_.pop_front();
+      ready_bytes_ -= message.size();
+      sink_->OnMessage(std::move(message));
+    }
+    if (sink_ == nullptr) return;
+    if (!status_.ok()) {
+      MessageSink* sink = std::exchange(sink_, nullptr);
+      sink->OnConnectionError(status_);
+      return;
+    }
+    if (!reading_) ReadLoop();  // paused while ready_ was full
   }
 
   std::optional<ReceiveHandler> PopReceiver() {
@@ -703,6 +749,7 @@ class ConnectionCore final : public std::enable_shared_from_this<ConnectionCore>
   }
 
   void FailWaiting() {
+    if (sink_ != nullptr) PostDrainToSink();
     while (std::optional<ReceiveHandler> receiver = PopReceiver()) {
       CompleteReceive(std::move(*receiver), status_);
     }
@@ -746,6 +793,9 @@ class ConnectionCore final : public std::enable_shared_from_this<ConnectionCore>
   uint64_t next_receive_id_ = 1;
   bool reading_ = false;
   bool in_io_handler_ = false;  // inside the socket read handler: completions may run at once
+  MessageSink* sink_ = nullptr;  // SetSink(): gets every message instead of receivers_
+  bool drain_posted_ = false;
+  OpMemory drain_memory_;
   bool in_read_handler_ = false;  // the same, for the whole handler: written_ completes at its end
 
   // Send path.
@@ -780,6 +830,7 @@ class TcpConnection final : public Connection {
   absl::StatusOr<SendBuffer> Prepare(size_t size) override { return core_->Prepare(size); }
   void Send(SendBuffer buffer, SendHandler handler) override { core_->Send(std::move(buffer), std::move(handler)); }
   void Receive(ReceiveHandler handler) override { core_->Receive(std::move(handler)); }
+  bool SetSink(MessageSink* sink) override { return core_->SetSink(sink); }
   void Close() override { core_->Close(); }
   ConnectionStats stats() const override { return core_->stats(); }
 
