@@ -438,7 +438,10 @@ void StreamCore::End(const Status& why) {
   end_status_ = why;
   const bool clean = why.ok() && have_trailer_;
   if (!clean) {
-    in_.clear();
+    // Messages that came before the peer's error trailer were written before
+    // it: they stay readable, then reads see the error. A local end (cancel,
+    // deadline, lost connection) drops them.
+    if (!have_trailer_) in_.clear();
     read_closed_ = true;
   }
   close_writes_then_.reset();  // the server's answer was decided elsewhere

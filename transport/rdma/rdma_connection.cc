@@ -1135,16 +1135,17 @@ class RdmaConnectionImpl final : public std::enable_shared_from_this<RdmaConnect
   void FlushCompletions() {
     if (done_sends_.empty() && done_receives_.empty() && sink_ready_.empty()) return;
     auto self = shared_from_this();
-    // The sink may Close() (which empties sink_ready_) or drop the connection.
-    while (sink_ != nullptr && !sink_ready_.empty()) {
-      Message msg = std::move(sink_ready_.front());
-      sink_ready_.pop_front();
-      sink_->OnMessage(std::move(msg));
-    }
     while (!done_sends_.empty()) {
       SendHandler h = std::move(done_sends_.front());
       done_sends_.pop_front();
       transport::DispatchCompletion(ex_, std::move(h), absl::OkStatus());
+    }
+    // Received messages after the sends, as receive handlers. The sink may
+    // Close() (which empties sink_ready_) or drop the connection.
+    while (sink_ != nullptr && !sink_ready_.empty()) {
+      Message msg = std::move(sink_ready_.front());
+      sink_ready_.pop_front();
+      sink_->OnMessage(std::move(msg));
     }
     while (!done_receives_.empty()) {
       DoneReceive d = std::move(done_receives_.front());
