@@ -59,6 +59,7 @@ struct Flags {
   // dearer than real hardware.
   bool spin = false;
   bool rtc = false;  // RdmaOptions::run_to_completion
+  bool receive = false;  // --receive: a Receive() per message instead of the MessageSink
   bool grant_windows = rdmarpc::rdma::RdmaOptions{}.grant_windows;  // --grant-windows; the library's default
 };
 
@@ -66,7 +67,7 @@ struct Flags {
   std::fprintf(stderr,
                "transport_bench: %s\nusage: transport_bench [--transport=rdma,tcp] [--sizes=64,4096,...] "
                "[--iters=N] [--window=N] [--poll=event|adaptive|busy] [--device=NAME] [--ip=ADDR] "
-               "[--with-perftest] [--phase-ms=MS] [--spin] [--rtc] [--grant-windows=1|0]\n",
+               "[--with-perftest] [--phase-ms=MS] [--spin] [--rtc] [--grant-windows=1|0] [--receive]\n",
                why.c_str());
   std::exit(2);
 }
@@ -110,6 +111,8 @@ Flags Parse(int argc, char** argv) {
       f.spin = true;
     } else if (key == "--rtc") {
       f.rtc = true;
+    } else if (key == "--receive") {
+      f.receive = true;
     } else if (key == "--grant-windows") {
       if (val != "0" && val != "1") Usage("--grant-windows takes 1 (memory windows over a pool) or 0 (an MR per message)");
       f.grant_windows = val == "1";
@@ -126,28 +129,55 @@ Flags Parse(int argc, char** argv) {
 
 // The server side: a thread with its own io_context echoing (latency phase)
 // or swallowing (bandwidth phase) everything it receives.
-struct Server {
+// Messages come through the connection's MessageSink (the transport's fast
+// receive path), or with --receive through a Receive() per message.
+struct Server final : rdmarpc::transport::MessageSink {
   asio::io_context io;
   std::unique_ptr<Connection> conn;
   std::atomic<bool> echo{true};
   std::thread thread;
 
+  void Start(bool receive) {
+    if (receive || !conn->SetSink(this)) Loop();
+  }
+  void OnMessage(Message m) override { Handle(m); }
+  void OnConnectionError(absl::Status) override {}  // Closed: the run is over.
+
+  void Handle(Message& m) {
+    if (echo) {
+      auto out = conn->Prepare(m.size());
+      if (out.ok()) {
+        if (m.size() > 0) std::memcpy(out->data().data(), m.data().data(), m.size());
+        conn->Send(std::move(*out), [](absl::Status) {});
+      }
+    } else if (m.size() == 1) {  // End-of-burst marker: tell the client.
+      auto out = conn->Prepare(1);
+      if (out.ok()) conn->Send(std::move(*out), [](absl::Status) {});
+    }
+    m.Reset();
+  }
+
   void Loop() {
     conn->Receive([this](absl::StatusOr<Message> m) {
       if (!m.ok()) return;  // Closed: the run is over.
-      if (echo) {
-        auto out = conn->Prepare(m->size());
-        if (out.ok()) {
-          if (m->size() > 0) std::memcpy(out->data().data(), m->data().data(), m->size());
-          conn->Send(std::move(*out), [](absl::Status) {});
-        }
-      } else if (m->size() == 1) {  // End-of-burst marker: tell the client.
-        auto out = conn->Prepare(1);
-        if (out.ok()) conn->Send(std::move(*out), [](absl::Status) {});
-      }
-      m->Reset();
+      Handle(*m);
       Loop();
     });
+  }
+};
+
+// The client's sink: the one answer the measuring loop waits for.
+struct ClientSink final : rdmarpc::transport::MessageSink {
+  bool got = false;
+  size_t size = 0;
+  absl::Status status;
+  void OnMessage(Message m) override {
+    got = true;
+    size = m.size();
+  }
+  void OnConnectionError(absl::Status st) override {
+    got = true;
+    status = std::move(st);
   }
 };
 
@@ -185,8 +215,8 @@ bool RunUntil(asio::io_context& io, Pred done, std::chrono::seconds limit = std:
   return done();
 }
 
-absl::Status Measure(const std::string& name, Connection& client, Server& server, asio::io_context& io,
-                     const Flags& f, std::vector<Row>& rows) {
+absl::Status Measure(const std::string& name, Connection& client, ClientSink* sink, Server& server,
+                     asio::io_context& io, const Flags& f, std::vector<Row>& rows) {
   for (size_t size : f.sizes) {
     if (size > client.max_message_size()) continue;
     Row row{name, size};
@@ -203,12 +233,19 @@ absl::Status Measure(const std::string& name, Connection& client, Server& server
       bool back = false;
       absl::Status st;
       client.Send(std::move(*buf), [&](absl::Status s) { if (!s.ok()) st = s; });
-      client.Receive([&](absl::StatusOr<Message> m) {
-        if (!m.ok()) st = m.status();
-        else if (m->size() != size) st = absl::DataLossError("echo size differs");
-        back = true;
-      });
-      if (!RunUntil(io, [&] { return back; })) return absl::DeadlineExceededError("echo timed out");
+      if (sink != nullptr) {
+        sink->got = false;
+        if (!RunUntil(io, [&] { return sink->got; })) return absl::DeadlineExceededError("echo timed out");
+        if (!sink->status.ok()) st = sink->status;
+        else if (sink->size != size) st = absl::DataLossError("echo size differs");
+      } else {
+        client.Receive([&](absl::StatusOr<Message> m) {
+          if (!m.ok()) st = m.status();
+          else if (m->size() != size) st = absl::DataLossError("echo size differs");
+          back = true;
+        });
+        if (!RunUntil(io, [&] { return back; })) return absl::DeadlineExceededError("echo timed out");
+      }
       if (!st.ok()) return st;
       if (i >= 0) us.push_back(std::chrono::duration<double, std::micro>(Clock::now() - t0).count());
     }
@@ -245,8 +282,14 @@ absl::Status Measure(const std::string& name, Connection& client, Server& server
     auto m = client.Prepare(1);
     if (!m.ok()) return m.status();
     client.Send(std::move(*m), [](absl::Status) {});
-    client.Receive([&](absl::StatusOr<Message> r) { marker = true; if (!r.ok()) st = r.status(); });
-    if (!RunUntil(io, [&] { return marker; })) return absl::DeadlineExceededError("marker timed out");
+    if (sink != nullptr) {
+      sink->got = false;
+      if (!RunUntil(io, [&] { return sink->got; })) return absl::DeadlineExceededError("marker timed out");
+      if (!sink->status.ok()) st = sink->status;
+    } else {
+      client.Receive([&](absl::StatusOr<Message> r) { marker = true; if (!r.ok()) st = r.status(); });
+      if (!RunUntil(io, [&] { return marker; })) return absl::DeadlineExceededError("marker timed out");
+    }
     const double secs = std::chrono::duration<double>(Clock::now() - t0).count();
     row.gbps = static_cast<double>(size) * limit * 8 / secs / 1e9;
     rows.push_back(row);
@@ -305,9 +348,11 @@ absl::Status RunTransport(const std::string& name, const Flags& f, std::vector<R
   absl::Status st = connected ? client.status() : absl::DeadlineExceededError("connect timed out");
   auto acc = accepted.get_future();
   if (st.ok() && acc.wait_for(std::chrono::seconds(30)) == std::future_status::ready) st = acc.get();
+  ClientSink sink;
   if (st.ok()) {
-    asio::post(server.io, [&] { server.Loop(); });
-    st = Measure(name, **client, server, io, f, rows);
+    asio::post(server.io, [&] { server.Start(f.receive); });
+    const bool use_sink = !f.receive && (*client)->SetSink(&sink);
+    st = Measure(name, **client, use_sink ? &sink : nullptr, server, io, f, rows);
   }
   if (client.ok() && *client) (*client)->Close();
   asio::post(server.io, [&] {

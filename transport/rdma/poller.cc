@@ -193,10 +193,18 @@ class EventPoller final : public Poller {
     Wait();
   }
 
+  // One pass per turn of the executor while spinning: posted to the
+  // io_context's own executor when it is one (the type-erased post costs
+  // ~350 instructions more a pass, most of an empty pass).
   void PostSpin() {
-    asio::post(fd_.get_executor(), transport::WithHandlerMemory([this, box = box_] {
+    auto pass = transport::WithHandlerMemory([this, box = box_] {
       if (!box->stopped) SpinPass();
-    }));
+    });
+    if (const auto* ioc = spin_ex_.target<asio::io_context::executor_type>()) {
+      asio::post(*ioc, std::move(pass));
+      return;
+    }
+    asio::post(spin_ex_, std::move(pass));
   }
 
   void SpinPass() {
@@ -235,6 +243,7 @@ class EventPoller final : public Poller {
   ibv_comp_channel* channel_;
   asio::posix::stream_descriptor fd_;
   std::shared_ptr<SinkBox> box_;
+  asio::any_io_executor spin_ex_{fd_.get_executor()};
   unsigned unacked_ = 0;
   const Spin spin_;
   QuietTimer quiet_;
