@@ -101,6 +101,7 @@ class RdmaConnectionImpl final : public std::enable_shared_from_this<RdmaConnect
 
   ~RdmaConnectionImpl() {
     if (poller_) poller_->Stop();
+    sink_ready_.clear();  // Messages point at this: back while the members they touch exist
   }
 
   // ---- setup ---------------------------------------------------------------

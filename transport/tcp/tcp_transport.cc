@@ -793,10 +793,10 @@ class ConnectionCore final : public std::enable_shared_from_this<ConnectionCore>
   uint64_t next_receive_id_ = 1;
   bool reading_ = false;
   bool in_io_handler_ = false;  // inside the socket read handler: completions may run at once
+  bool in_read_handler_ = false;  // the same, for the whole handler: written_ completes at its end
   MessageSink* sink_ = nullptr;  // SetSink(): gets every message instead of receivers_
   bool drain_posted_ = false;
   OpMemory drain_memory_;
-  bool in_read_handler_ = false;  // the same, for the whole handler: written_ completes at its end
 
   // Send path.
   Fifo<PendingSend> send_queue_;
