@@ -11,6 +11,8 @@
 //  - Receive() honours per-operation cancellation (terminal/partial): the
 //    handler completes with CANCELLED and no message is lost -- the next
 //    Receive() gets it.
+//  - A MessageSink (SetSink) gets the same messages in the same order, inline
+//    from the transport's own handlers, never inside the consumer's calls.
 //  - After an error or Close(), every pending and later operation completes
 //    with a non-OK status (UNAVAILABLE for transport failures, CANCELLED for
 //    Close()); a failure on one connection affects that connection only.
