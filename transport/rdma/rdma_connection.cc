@@ -1141,13 +1141,8 @@ class RdmaConnectionImpl final : public std::enable_shared_from_this<RdmaConnect
       done_sends_.pop_front();
       transport::DispatchCompletion(ex_, std::move(h), absl::OkStatus());
     }
-    // Received messages after the sends, as receive handlers. The sink may
-    // Close() (which empties sink_ready_) or drop the connection.
-    while (sink_ != nullptr && !sink_ready_.empty()) {
-      Message msg = std::move(sink_ready_.front());
-      sink_ready_.pop_front();
-      sink_->OnMessage(std::move(msg));
-    }
+    // Received messages after the sends, as receive handlers.
+    HandSinkReady();
     while (!done_receives_.empty()) {
       DoneReceive d = std::move(done_receives_.front());
       done_receives_.pop_front();
@@ -1181,6 +1176,16 @@ class RdmaConnectionImpl final : public std::enable_shared_from_this<RdmaConnect
     if (poller_) poller_->Stop();
   }
 
+  // sink_ready_ to the sink, in order. It may Close() (which empties
+  // sink_ready_ and unsets the sink) or drop the connection.
+  void HandSinkReady() {
+    while (sink_ != nullptr && !sink_ready_.empty()) {
+      Message msg = std::move(sink_ready_.front());
+      sink_ready_.pop_front();
+      sink_->OnMessage(std::move(msg));
+    }
+  }
+
   void PostSinkDrain() {
     if (sink_drain_posted_) return;
     sink_drain_posted_ = true;
@@ -1193,11 +1198,7 @@ class RdmaConnectionImpl final : public std::enable_shared_from_this<RdmaConnect
   // Outside a completion batch: what is ready (messages that arrived before
   // the sink was set, or before a failure), then the failure.
   void DrainSink() {
-    while (sink_ != nullptr && !sink_ready_.empty()) {
-      Message msg = std::move(sink_ready_.front());
-      sink_ready_.pop_front();
-      sink_->OnMessage(std::move(msg));
-    }
+    HandSinkReady();
     while (sink_ != nullptr) {
       std::optional<Message> msg = TakeReady();
       if (!msg) break;

@@ -673,11 +673,7 @@ class ConnectionCore final : public std::enable_shared_from_this<ConnectionCore>
   // The batch left with sendmsg() (or failed): the socket is free again, the
   // buffers go back now, the handlers run later (see WriteBatch).
   void OnWrittenNow() {
-    for (PendingSend& s : in_flight_) {
-      pool_.Release(s.token);
-      written_.push_back(std::move(s));
-    }
-    in_flight_.clear();
+    ReleaseBatch();
     writing_ = false;
     if (!in_read_handler_ && !complete_posted_) {
       complete_posted_ = true;
@@ -688,9 +684,19 @@ class ConnectionCore final : public std::enable_shared_from_this<ConnectionCore>
     }
   }
 
+  // The batch is written (or failed): its buffers go back, its handlers wait
+  // in written_ for CompleteWritten.
+  void ReleaseBatch() {
+    for (PendingSend& s : in_flight_) {
+      pool_.Release(s.token);
+      written_.push_back(std::move(s));
+    }
+    in_flight_.clear();
+  }
+
   void CompleteWritten() {
-    // OK unless the connection failed or was closed since (the contract of
-    // OnWritten below).
+    // OK unless the connection failed or was closed meanwhile (then the
+    // contract says the pending send completes with that status).
     const absl::Status result = status_;
     std::vector<PendingSend> done;
     done.swap(written_);
@@ -709,23 +715,10 @@ class ConnectionCore final : public std::enable_shared_from_this<ConnectionCore>
     if (ec && status_.ok()) {
       Fail(absl::UnavailableError(absl::StrCat("write to ", peer_, " failed: ", ec.message())));
     }
-    // OK unless the connection failed or was closed meanwhile (then the
-    // contract says the pending send completes with that status).
-    const absl::Status result = status_;
+    ReleaseBatch();
     // Run the handlers now (we are in the write handler, not in Send()); a
     // Send() they make is queued (writing_ is still set) and written below.
-    std::vector<PendingSend> done;
-    done.swap(in_flight_);
-    for (PendingSend& s : done) {
-      pool_.Release(s.token);
-      if (result.ok()) {
-        messages_sent_.fetch_add(1, std::memory_order_relaxed);
-        bytes_sent_.fetch_add(s.size, std::memory_order_relaxed);
-      }
-      DispatchCompletion(ex_, std::move(s.handler), result);
-    }
-    done.clear();
-    if (in_flight_.empty()) in_flight_.swap(done);  // keep the capacity: no allocation next time
+    CompleteWritten();
     writing_ = false;
     if (status_.ok() && !send_queue_.empty()) WriteBatch();
   }
