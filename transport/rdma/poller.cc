@@ -18,6 +18,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "transport/common/log.h"
+#include "transport/completion.h"
 #include "transport/handler_memory.h"
 
 namespace rdmarpc::rdma {
@@ -193,18 +194,13 @@ class EventPoller final : public Poller {
     Wait();
   }
 
-  // One pass per turn of the executor while spinning: posted to the
-  // io_context's own executor when it is one (the type-erased post costs
-  // ~350 instructions more a pass, most of an empty pass).
+  // One pass per turn of the executor while spinning, posted to the
+  // io_context's own executor when it is one (PostCompletion; the type-erased
+  // post costs ~350 instructions more a pass, most of an empty pass).
   void PostSpin() {
-    auto pass = transport::WithHandlerMemory([this, box = box_] {
-      if (!box->stopped) SpinPass();
-    });
-    if (const auto* ioc = spin_ex_.target<asio::io_context::executor_type>()) {
-      asio::post(*ioc, std::move(pass));
-      return;
-    }
-    asio::post(spin_ex_, std::move(pass));
+    transport::PostCompletion(spin_ex_, transport::WithHandlerMemory([this, box = box_] {
+                                if (!box->stopped) SpinPass();
+                              }));
   }
 
   void SpinPass() {
