@@ -335,6 +335,34 @@ TEST_P(TransportConformance, TenThousandMessagesArriveInOrderExactlyOnce) {
   EXPECT_EQ(CheckPayload(next->data(), 22, 0, 24), "");
 }
 
+// Sends queued behind a large message (one the socket or the QP does not
+// take at once) all leave when it is through, with no later Send() to push
+// them: a backend that writes its queue in batches must not stop after one
+// (tcp wrote 64 and left the rest for the next Send()).
+TEST_P(TransportConformance, BurstQueuedBehindALargeMessageLeavesWithoutAnotherSend) {
+  auto pair = ConnectPair();
+  ASSERT_TRUE(pair.ok()) << pair.status();
+  constexpr int kSmall = 300;
+  const size_t big = std::min<size_t>(GetParam().max_message_size, size_t{4} << 20);
+  auto size_of = [big](int i) { return i == 0 ? big : size_t{16} + static_cast<size_t>(i % 50); };
+  std::vector<std::vector<std::byte>> sent;
+  int send_done = 0, send_failed = 0;
+  for (int i = 0; i <= kSmall; ++i) {
+    sent.push_back(Payload(41, static_cast<uint64_t>(i), size_of(i)));
+    pair->client->async_send(sent.back(), [&](absl::Status st) {
+      ++send_done;
+      if (!st.ok()) ++send_failed;
+    });
+  }
+  for (int i = 0; i <= kSmall; ++i) {
+    auto m = ReceiveAndWait(*pair->server);
+    ASSERT_TRUE(m.ok()) << "message " << i << " of " << kSmall + 1 << ": " << m.status();
+    ASSERT_EQ(CheckPayload(m->data(), 41, static_cast<uint64_t>(i), size_of(i)), "") << "message " << i;
+  }
+  ASSERT_TRUE(RunUntil([&] { return send_done == kSmall + 1; })) << send_done << " sends completed";
+  EXPECT_EQ(send_failed, 0);
+}
+
 // ---- 3. executors --------------------------------------------------------------------
 
 TEST_P(TransportConformance, HandlersRunOnTheirAssociatedExecutorNeverInline) {

@@ -635,39 +635,48 @@ class ConnectionCore final : public std::enable_shared_from_this<ConnectionCore>
   // turn (~1,200 instructions a message over loopback, bench/cpu_per_call).
   // Their handlers run later, never inside Send(): at the end of the read
   // handler we are in, or from one posted operation (CompleteWritten). What
-  // the socket does not take goes through async_write.
+  // the socket does not take goes through async_write. A queue longer than
+  // one batch (sends that piled up behind an async_write) goes batch after
+  // batch while the socket takes them: no frame waits for a later Send().
   void WriteBatch() {
     writing_ = true;
-    size_t n = 0;
-    size_t total = 0;
-    while (!send_queue_.empty() && n < kMaxBatch) {
-      PendingSend& s = send_queue_.front();
-      iov_[n++] = asio::const_buffer(pool_.memory(s.token) + kSendPrefix - kHeaderBytes, kHeaderBytes + s.size);
-      total += kHeaderBytes + s.size;
-      in_flight_.push_back(std::move(s));
-      send_queue_.pop_front();
+    for (;;) {
+      size_t n = 0;
+      size_t total = 0;
+      while (!send_queue_.empty() && n < kMaxBatch) {
+        PendingSend& s = send_queue_.front();
+        iov_[n++] = asio::const_buffer(pool_.memory(s.token) + kSendPrefix - kHeaderBytes, kHeaderBytes + s.size);
+        total += kHeaderBytes + s.size;
+        in_flight_.push_back(std::move(s));
+        send_queue_.pop_front();
+      }
+      std::array<iovec, kMaxBatch> vec;
+      for (size_t i = 0; i < n; ++i) vec[i] = iovec{const_cast<void*>(iov_[i].data()), iov_[i].size()};
+      msghdr msg{};
+      msg.msg_iov = vec.data();
+      msg.msg_iovlen = n;
+      const ssize_t w = ::sendmsg(socket_.native_handle(), &msg, MSG_NOSIGNAL | MSG_DONTWAIT);
+      if (w >= 0 && static_cast<size_t>(w) == total) {
+        if (send_queue_.empty()) return OnWrittenNow();
+        ReleaseBatch();
+        continue;
+      }
+      if (w < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR) {
+        const error_code ec(errno, boost::system::system_category());
+        Fail(absl::UnavailableError(absl::StrCat("write to ", peer_, " failed: ", ec.message())));
+        return OnWrittenNow();
+      }
+      // Partly written (or not at all): the reactor writes the rest.
+      size_t skip = w > 0 ? static_cast<size_t>(w) : 0;
+      size_t first = 0;
+      while (skip >= iov_[first].size()) skip -= iov_[first++].size();
+      iov_[first] += skip;
+      asio::async_write(socket_, BufferView{iov_.data() + first, iov_.data() + n},
+                        WithMemory(write_memory_, [self = shared_from_this()](error_code ec, size_t) {
+                          self->OnWritten(ec);
+                        }));
+      return;
     }
-    std::array<iovec, kMaxBatch> vec;
-    for (size_t i = 0; i < n; ++i) vec[i] = iovec{const_cast<void*>(iov_[i].data()), iov_[i].size()};
-    msghdr msg{};
-    msg.msg_iov = vec.data();
-    msg.msg_iovlen = n;
-    const ssize_t w = ::sendmsg(socket_.native_handle(), &msg, MSG_NOSIGNAL | MSG_DONTWAIT);
-    if (w >= 0 && static_cast<size_t>(w) == total) return OnWrittenNow();
-    if (w < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR) {
-      const error_code ec(errno, boost::system::system_category());
-      Fail(absl::UnavailableError(absl::StrCat("write to ", peer_, " failed: ", ec.message())));
-      return OnWrittenNow();
-    }
-    // Partly written (or not at all): the reactor writes the rest.
-    size_t skip = w > 0 ? static_cast<size_t>(w) : 0;
-    size_t first = 0;
-    while (skip >= iov_[first].size()) skip -= iov_[first++].size();
-    iov_[first] += skip;
-    asio::async_write(socket_, BufferView{iov_.data() + first, iov_.data() + n},
-                      WithMemory(write_memory_, [self = shared_from_this()](error_code ec, size_t) {
-                        self->OnWritten(ec);
-                      }));
   }
 
   // The batch left with sendmsg() (or failed): the socket is free again, the
