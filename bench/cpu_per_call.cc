@@ -81,6 +81,9 @@ struct Options {
   // rdma only: the poll mode, and run to completion (busy/adaptive).
   rdma::PollMode poll = rdma::PollMode::kEvent;
   bool rtc = false;
+  // The server answers from the generated inline fast path (EchoInline), not
+  // from the coroutine handler.
+  bool inline_handler = false;
 };
 
 [[noreturn]] void Usage(const std::string& why) {
@@ -88,7 +91,8 @@ struct Options {
   std::fprintf(stderr,
                "usage: cpu_per_call [--transport=tcp,rdma,grpc] [--calls=N] [--warmup=N] [--size=BYTES]\n"
                "                    [--concurrency=N] [--callgrind] [--device=NAME] [--ip=ADDR] [--alloc-trace=N]\n"
-               "                    [--poll=event|adaptive|busy] [--rtc]   (rdma: poll mode, run to completion)\n\n"
+               "                    [--poll=event|adaptive|busy] [--rtc]   (rdma: poll mode, run to completion)\n"
+               "                    [--handler=coroutine|inline]   (the server's echo: coroutine, or inline fast path)\n\n"
                "Unary echo, client and server in this process. Prints heap allocations per call and,\n"
                "with --callgrind (valgrind installed), user-space instructions per call, both sides\n"
                "together. rdma needs --device/--ip, or RXE_VM_DEV/RXE_VM_SELF_IP (set inside tools/rxe-vm).\n");
@@ -127,6 +131,9 @@ Options Parse(int argc, char** argv) {
       auto m = rdma::ParsePollMode(val);
       if (!m.ok()) Usage(std::string(m.status().message()));
       o.poll = *m;
+    } else if (key == "handler") {
+      if (val != "coroutine" && val != "inline") Usage("--handler takes coroutine or inline (got " + val + ")");
+      o.inline_handler = val == "inline";
     } else if (key == "device") {
       o.device = val;
     } else if (key == "ip") {
@@ -148,10 +155,19 @@ struct Phase {
 
 class EchoService final : public rdmarpc::bench::Echo::Service {
  public:
+  explicit EchoService(bool inline_handler) : inline_(inline_handler) {}
   asio::awaitable<Status> Echo(ServerContext&, const EchoRequest& request, EchoResponse& response) override {
     response.set_payload(request.payload());
     co_return Status();
   }
+  std::optional<Status> EchoInline(ServerContext&, const EchoRequest& request, EchoResponse& response) override {
+    if (!inline_) return std::nullopt;
+    response.set_payload(request.payload());
+    return Status();
+  }
+
+ private:
+  bool inline_;
 };
 
 // Closed loop over `concurrency` slots: each completion reissues its slot
@@ -209,7 +225,7 @@ absl::StatusOr<Phase> RunRdmarpc(const Options& o, const std::string& transport)
     host = o.ip;
   }
   asio::io_context io(1);  // one thread: Asio may skip its locks
-  EchoService service;
+  EchoService service(o.inline_handler);
   ServerOptions so;
   so.listen = {absl::StrCat(transport, "://", host, ":0")};
   so.transport = topts;
@@ -379,6 +395,7 @@ absl::StatusOr<CountRow> RunUnderCallgrind(const Options& o, const std::string& 
   if (!o.device.empty()) args.push_back(absl::StrCat("--device=", o.device));
   args.push_back(absl::StrCat("--poll=", rdma::PollModeName(o.poll)));
   if (o.rtc) args.push_back("--rtc");
+  if (o.inline_handler) args.push_back("--handler=inline");
   if (!o.ip.empty()) args.push_back(absl::StrCat("--ip=", o.ip));
   int pipefd[2];
   if (pipe(pipefd) != 0) return absl::InternalError("pipe failed");
@@ -472,7 +489,9 @@ int main(int argc, char** argv) {
                                                     (static_cast<double>(*grpc->instructions) /
                                                      static_cast<double>(grpc->phase.calls)));
     }
-    std::printf("| %s | %zu | %d | %llu | %s | %.2f | %llu | %.1f |\n", r.transport.c_str(), o.size, o.concurrency,
+    const std::string label = r.transport == "grpc" ? r.transport
+                              : absl::StrCat(r.transport, o.inline_handler ? " (inline handler)" : " (coroutine handler)");
+    std::printf("| %s | %zu | %d | %llu | %s | %.2f | %llu | %.1f |\n", label.c_str(), o.size, o.concurrency,
                 static_cast<unsigned long long>(r.phase.calls), ins.c_str(),
                 static_cast<double>(r.phase.allocs) / calls, static_cast<unsigned long long>(r.phase.errors),
                 r.phase.wall_s * 1e6 / calls);

@@ -570,6 +570,26 @@ void Server::Impl::OnRequest(const std::shared_ptr<Conn>& conn, Message message,
     call->stream = std::make_shared<ServerStream>(shared_from_this(), conn, id, info, options_.stream_window);
     conn->streams.emplace(id, call->stream);
   }
+  if (entry.method->invoke_inline != nullptr && !streaming) {
+    if (f.header.timeout_us != 0)
+      call->ctx.set_deadline(now + std::chrono::microseconds(std::min<uint64_t>(f.header.timeout_us, uint64_t{1} << 40)));
+    std::optional<Status> answer;
+    try {
+      answer = entry.method->invoke_inline(*call->service, call->ctx, *call->request, *call->response);
+    } catch (const std::exception& e) {
+      answer = InternalError(absl::StrCat("handler of ", internal::Sv(info.full_name), " threw: ", e.what()));
+    } catch (...) {
+      answer = InternalError(absl::StrCat("handler of ", internal::Sv(info.full_name), " threw"));
+    }
+    if (answer) {
+      // Answered inline: no coroutine, no timer, never in conn->calls.
+      ++stats_.calls_finished;
+      call->metrics->Record(answer->code(), Clock::now() - now);
+      call->answered = true;
+      Respond(conn, id, std::move(*answer), std::move(call));  // frees the call once sent
+      return;
+    }
+  }
   Call* raw = call.release();
   conn->calls.emplace(id, raw);
   ++stats_.calls_in_flight;

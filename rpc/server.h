@@ -3,7 +3,9 @@
 //
 // Threads: the server and all its connections live on the executor it was
 // made with (one thread running the io_context, or a strand); handlers run
-// there as coroutines and may co_await anything.
+// there as coroutines and may co_await anything. A unary method's inline
+// fast path (the generated `MInline`, rpc/service.h) is tried first: when it
+// answers, the call ends inside the receive handling, with no coroutine.
 //
 // Per call: the request is parsed straight from the transport's receive
 // buffer, the response serialised straight into the send buffer. The deadline

@@ -5,6 +5,7 @@
 #pragma once
 
 #include <memory>
+#include <optional>
 #include <span>
 #include <string_view>
 
@@ -34,12 +35,18 @@ class Service {
                                                     const google::protobuf::MessageLite& request,
                                                     google::protobuf::MessageLite& response,
                                                     std::shared_ptr<internal::StreamCore> stream);
+  // The unary fast path: a Status answers the call inline; std::nullopt
+  // runs the coroutine (`invoke`) for it.
+  using InlineInvoker = std::optional<Status> (*)(Service& service, ServerContext& context,
+                                                  const google::protobuf::MessageLite& request,
+                                                  google::protobuf::MessageLite& response);
   struct Method {
     MethodInfo info;
     const google::protobuf::MessageLite& (*request_prototype)();
     const google::protobuf::MessageLite& (*response_prototype)();
     UnaryInvoker invoke;         // unary methods, else null
     StreamInvoker invoke_stream;  // streaming methods, else null
+    InlineInvoker invoke_inline;  // unary methods (tried before invoke), else null
   };
 
   virtual ~Service() = default;

@@ -34,10 +34,23 @@ using rdmarpc::test::Payload;
 
 class EchoOnly final : public rdmarpc::test::Test::Service {
  public:
+  explicit EchoOnly(bool inline_handler) : inline_(inline_handler) {}
   asio::awaitable<Status> Echo(ServerContext&, const Payload& request, Payload& response) override {
+    ++coroutine_calls;
     response.set_data(request.data());
     co_return Status();
   }
+  std::optional<Status> EchoInline(ServerContext&, const Payload& request, Payload& response) override {
+    if (!inline_) return std::nullopt;
+    ++inline_calls;
+    response.set_data(request.data());
+    return Status();
+  }
+  uint64_t coroutine_calls = 0;
+  uint64_t inline_calls = 0;
+
+ private:
+  bool inline_;
 };
 
 struct Shape {
@@ -46,6 +59,7 @@ struct Shape {
   int concurrency = 1;
   bool deadline = false;   // each call carries a 10 s deadline (client and server timers)
   size_t size = 64;
+  bool inline_handler = false;  // the service answers from EchoInline, not the coroutine
 };
 
 std::string ShapeName(const ::testing::TestParamInfo<Shape>& p) { return p.param.name; }
@@ -71,7 +85,7 @@ Counts RunCalls(const Shape& s, uint64_t warmup, uint64_t measured, int trace) {
     host = TestIp();
   }
   asio::io_context io(1);
-  EchoOnly service;
+  EchoOnly service(s.inline_handler);
   ServerOptions so;
   so.listen = {absl::StrCat(s.transport, "://", host, ":0")};
   so.transport = topts;
@@ -127,6 +141,7 @@ Counts RunCalls(const Shape& s, uint64_t warmup, uint64_t measured, int trace) {
   server->async_shutdown(std::chrono::milliseconds(0), [] {});
   io.run_for(std::chrono::milliseconds(100));
   EXPECT_EQ(completed, total) << "the calls did not finish within 5 minutes";
+  EXPECT_EQ(s.inline_handler ? service.inline_calls : service.coroutine_calls, total) << "the other handler ran";
   return {completed - warmup, errors, allocs};
 }
 
@@ -211,14 +226,16 @@ INSTANTIATE_TEST_SUITE_P(Rdma, AllocTest,
                          ::testing::Values(Shape{"rdma_64B_c1", "rdma", 1, false, 64},
                                            Shape{"rdma_64B_c8_deadline", "rdma", 8, true, 64},
                                            Shape{"rdma_64B_c32", "rdma", 32, false, 64},
-                                           Shape{"rdma_4KiB_c1", "rdma", 1, false, 4096}),
+                                           Shape{"rdma_4KiB_c1", "rdma", 1, false, 4096},
+                                           Shape{"rdma_64B_c8_deadline_inline", "rdma", 8, true, 64, true}),
                          ShapeName);
 #else
 INSTANTIATE_TEST_SUITE_P(Tcp, AllocTest,
                          ::testing::Values(Shape{"tcp_64B_c1", "tcp", 1, false, 64},
                                            Shape{"tcp_64B_c8_deadline", "tcp", 8, true, 64},
                                            Shape{"tcp_64B_c32", "tcp", 32, false, 64},
-                                           Shape{"tcp_64KiB_c1", "tcp", 1, false, 65536}),
+                                           Shape{"tcp_64KiB_c1", "tcp", 1, false, 65536},
+                                           Shape{"tcp_64B_c8_deadline_inline", "tcp", 8, true, 64, true}),
                          ShapeName);
 #endif
 

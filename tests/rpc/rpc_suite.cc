@@ -42,8 +42,33 @@ using std::chrono::milliseconds;
 class TestService final : public TestSvc::Service {
  public:
   asio::awaitable<Status> Echo(ServerContext&, const Payload& request, Payload& response) override {
+    ++coroutine_echoes;
     response = request;
     co_return Status();
+  }
+  // With inline_mode: echoes whose data starts with "inline:" are answered by
+  // the inline fast path, the others fall back to Echo() above.
+  std::optional<Status> EchoInline(ServerContext&, const Payload& request, Payload& response) override {
+    if (!inline_mode || !request.data().starts_with("inline:")) return std::nullopt;
+    ++inline_echoes;
+    inline_thread = std::this_thread::get_id();
+    response = request;
+    return Status();
+  }
+  std::optional<Status> MetadataInline(ServerContext& ctx, const Empty&, MetadataReply& reply) override {
+    if (!inline_mode) return std::nullopt;
+    for (const auto& [k, v] : ctx.metadata()) reply.add_entries("inline:" + k + "=" + v);
+    reply.set_peer(ctx.peer());
+    reply.set_has_deadline(ctx.deadline().has_value());
+    return Status();
+  }
+  std::optional<Status> FailInline(ServerContext&, const FailRequest& request, Empty&) override {
+    if (!inline_mode) return std::nullopt;
+    return Status(static_cast<StatusCode>(request.code()), "inline: " + request.message());
+  }
+  std::optional<Status> ThrowInline(ServerContext&, const Empty&, Empty&) override {
+    if (inline_mode) throw std::runtime_error("boom from the inline handler");
+    return std::nullopt;
   }
   asio::awaitable<Status> Sleep(ServerContext& ctx, const SleepRequest& request, Empty&) override {
     ++sleeps_started;
@@ -79,6 +104,10 @@ class TestService final : public TestSvc::Service {
   std::atomic<int> sleeps_finished{0};
   std::atomic<int> sleeps_cancelled{0};
   std::atomic<StatusCode> cancel_reason{StatusCode::kOk};
+  std::atomic<bool> inline_mode{false};
+  std::atomic<int> coroutine_echoes{0};
+  std::atomic<int> inline_echoes{0};
+  std::atomic<std::thread::id> inline_thread{};
 
  private:
   void Observe(const ServerContext& ctx) {
@@ -530,6 +559,68 @@ TEST_P(RpcSuite, HandlerStatusAndExceptionsReachTheClient) {
   ClientContext ctx2;
   EXPECT_EQ(Sync<Empty>([&](auto t) { return stub.async_Throw(ctx2, Empty(), t); }).first, StatusCode::kInternal);
   EXPECT_NE(ctx2.status().message().find("boom from the handler"), std::string::npos) << ctx2.status().message();
+}
+
+TEST_P(RpcSuite, InlineFastPathAnswersOnTheServersThreadAndFallsBackToTheCoroutinePerCall) {
+  Env env(GetParam());
+  env.service.inline_mode = true;
+  auto channel = env.NewChannel(env.StartServer());
+  TestSvc::Stub stub(channel);
+  // 600 echoes in flight at once, every other one answered inline, sizes up
+  // to 1 MiB (rendezvous over RDMA): more responses than fit the send window
+  // at once, so inline answers also queue for send space.
+  constexpr int kCalls = 600;
+  struct Slot {
+    ClientContext ctx;
+    Payload req;
+  };
+  std::vector<Slot> slots(kCalls);
+  std::promise<void> all_done;
+  std::atomic<int> done{0}, matched{0};
+  env.OnIo([&] {
+    for (int i = 0; i < kCalls; ++i) {
+      const size_t size = i % 100 == 0 ? size_t{1} << 20 : static_cast<size_t>(i % 300);
+      slots[i].req.set_data((i % 2 == 0 ? "inline:" : "coroutine:") + Pattern(size, static_cast<uint32_t>(i)));
+      slots[i].req.mutable_meta()->set_seq(static_cast<uint64_t>(i));
+      stub.async_Echo(slots[i].ctx, slots[i].req, [&, i](boost::system::error_code ec, Payload resp) {
+        if (!ec && resp.meta().seq() == static_cast<uint64_t>(i) && resp.data() == slots[i].req.data()) ++matched;
+        if (++done == kCalls) all_done.set_value();
+      });
+    }
+    return 0;
+  });
+  auto f = all_done.get_future();
+  ASSERT_EQ(f.wait_for(kRpcWait), std::future_status::ready) << done << " of " << kCalls << " completed";
+  EXPECT_EQ(matched, kCalls);
+  EXPECT_EQ(env.service.inline_echoes, kCalls / 2);
+  EXPECT_EQ(env.service.coroutine_echoes, kCalls / 2);
+  EXPECT_EQ(env.service.inline_thread.load(), env.OnIo([] { return std::this_thread::get_id(); }));
+
+  // Context, statuses and exceptions reach the client as from a coroutine.
+  ClientContext mctx;
+  mctx.AddMetadata("tenant", "acme");
+  mctx.set_timeout(std::chrono::seconds(30));
+  auto [mcode, reply] = Sync<MetadataReply>([&](auto t) { return stub.async_Metadata(mctx, Empty(), t); });
+  ASSERT_EQ(mcode, StatusCode::kOk) << mctx.status().ToString();
+  ASSERT_EQ(reply.entries_size(), 1);
+  EXPECT_EQ(reply.entries(0), "inline:tenant=acme");
+  EXPECT_TRUE(reply.has_deadline());
+  EXPECT_FALSE(reply.peer().empty());
+  FailRequest fail;
+  fail.set_code(static_cast<uint32_t>(StatusCode::kNotFound));
+  fail.set_message("no such key: k1");
+  ClientContext fctx;
+  EXPECT_EQ(Sync<Empty>([&](auto t) { return stub.async_Fail(fctx, fail, t); }).first, StatusCode::kNotFound);
+  EXPECT_EQ(fctx.status().message(), "inline: no such key: k1");
+  ClientContext tctx;
+  EXPECT_EQ(Sync<Empty>([&](auto t) { return stub.async_Throw(tctx, Empty(), t); }).first, StatusCode::kInternal);
+  EXPECT_NE(tctx.status().message().find("boom from the inline handler"), std::string::npos) << tctx.status().message();
+
+  // Inline calls are counted finished and never left in flight.
+  const ServerStats st = env.OnIo([&] { return env.server().stats(); });
+  EXPECT_EQ(st.calls_started, kCalls + 3u);
+  EXPECT_EQ(st.calls_finished, kCalls + 3u);
+  EXPECT_EQ(st.calls_in_flight, 0u);
 }
 
 TEST_P(RpcSuite, OversizedRequestIsRefusedLocallyAndLosesNothingElse) {

@@ -76,6 +76,9 @@ struct EndHandler {
   void operator()(boost::system::error_code, End) const {}
 };
 
+template <typename T>
+constexpr bool kHasServerStreamInline = requires { &T::ServerStreamInline; };
+
 TEST(Codegen, ServiceBaseHasOneCoroutinePerMethodWithTheRightShape) {
   using S = Echo::Service;
   static_assert(std::is_same_v<decltype(&S::Unary),
@@ -89,6 +92,10 @@ TEST(Codegen, ServiceBaseHasOneCoroutinePerMethodWithTheRightShape) {
   static_assert(std::is_same_v<decltype(&S::Bidi),
                                asio::awaitable<Status> (S::*)(ServerContext&,
                                                               rdmarpc::ServerReaderWriter<Payload, Payload>&)>);
+  // Unary methods also get the inline fast path, tried first (std::nullopt: the coroutine runs).
+  static_assert(std::is_same_v<decltype(&S::UnaryInline),
+                               std::optional<Status> (S::*)(ServerContext&, const Payload&, Payload&)>);
+  static_assert(!kHasServerStreamInline<S>);
   static_assert(std::is_base_of_v<rdmarpc::Service, S>);
   // The stub opens streams: the completion carries the typed client end.
   static_assert(requires(Echo::Stub s, rdmarpc::ClientContext& c, const Payload& p) {
@@ -100,12 +107,18 @@ TEST(Codegen, ServiceBaseHasOneCoroutinePerMethodWithTheRightShape) {
   Impl impl;
   EXPECT_EQ(impl.service_name(), "rdmarpc.test.Echo");
   ASSERT_EQ(impl.methods().size(), 5u);
-  EXPECT_NE(impl.methods()[0].invoke, nullptr);   // unary: a unary trampoline
+  EXPECT_NE(impl.methods()[0].invoke, nullptr);   // unary: a unary trampoline and the inline one
+  EXPECT_NE(impl.methods()[0].invoke_inline, nullptr);
   EXPECT_EQ(impl.methods()[0].invoke_stream, nullptr);
   for (size_t i = 2; i < 5; ++i) {                 // streaming: a stream trampoline
     EXPECT_EQ(impl.methods()[i].invoke, nullptr) << i;
+    EXPECT_EQ(impl.methods()[i].invoke_inline, nullptr) << i;
     EXPECT_NE(impl.methods()[i].invoke_stream, nullptr) << i;
   }
+  // Not overridden: the inline trampoline declines, so the coroutine runs.
+  rdmarpc::ServerContext ctx;
+  Payload request, response;
+  EXPECT_FALSE(impl.methods()[0].invoke_inline(impl, ctx, request, response).has_value());
   EXPECT_EQ(&impl.methods()[1].request_prototype(), &rdmarpc::test::Payload_Meta::default_instance());
 }
 
@@ -158,6 +171,14 @@ TEST(Codegen, PluginRejectsMethodsThatWouldCollideWithGeneratedMembers) {
       "syntax = \"proto3\"; message M {} service S { rpc Stub(M) returns (M); }", &rc);
   EXPECT_NE(rc, 0);
   EXPECT_NE(err.find("may not be named Stub"), std::string::npos) << err;
+  // AInline would be A's inline fast path (A unary); beside a streaming A it is free.
+  err = RunPlugin("syntax = \"proto3\"; message M {} service S { rpc A(M) returns (M); rpc AInline(M) returns (M); }",
+                  &rc);
+  EXPECT_NE(rc, 0);
+  EXPECT_NE(err.find("may not be named AInline"), std::string::npos) << err;
+  err = RunPlugin("syntax = \"proto3\"; message M {} service S { rpc A(M) returns (stream M); rpc AInline(M) returns (M); }",
+                  &rc);
+  EXPECT_EQ(rc, 0) << err;
   err = RunPlugin("syntax = \"proto3\"; message M {} service S { rpc A(M) returns (M); }", &rc);
   EXPECT_EQ(rc, 0) << err;
 }
