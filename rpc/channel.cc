@@ -148,6 +148,8 @@ class Channel::Impl : public std::enable_shared_from_this<Impl> {
   }
   void PumpBlocked(const std::shared_ptr<Conn>& conn);
   void OnSendDone(const std::shared_ptr<Conn>& conn, const absl::Status& st);
+  // Through the sink: requests sent with SendUntracked() completed.
+  void OnSendsCompleted(const std::shared_ptr<Conn>& conn, size_t count);
   void OpenStream(ClientContext& ctx, const MethodInfo& method, const MessageLite* request, std::string bytes,
                   StreamOpenHandler handler);
   void StreamEnded(ClientStream* stream);
@@ -517,11 +519,17 @@ void Channel::Impl::Send(Call* call) {
   call->conn = conn;
   ++conn->calls;
   sent_.emplace(call->id, call);
+  if (conn->sink) {
+    conn->c->SendUntracked(std::move(*buffer));  // done: OnSendsCompleted; failed: the sink's error
+    return;
+  }
   conn->c->Send(std::move(*buffer),
                 transport::WithHandlerMemory([self = shared_from_this(), c = conn](absl::Status st) {
                   self->OnSendDone(c, st);
                 }));
 }
+
+void Channel::Impl::OnSendsCompleted(const std::shared_ptr<Conn>& conn, size_t) { OnSendDone(conn, absl::OkStatus()); }
 
 void Channel::Impl::OnSendDone(const std::shared_ptr<Conn>& conn, const absl::Status& st) {
   if (!st.ok()) return ConnFailed(conn, Status::FromAbsl(st));

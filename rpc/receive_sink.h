@@ -12,7 +12,7 @@
 namespace rdmarpc::internal {
 
 // Forwards to owner->OnReceive(conn, message-or-error), as a Receive() handler
-// would. Holds both weakly: the connection's owner owns the sink, and neither
+// would, and completions of untracked sends to owner->OnSendsCompleted(). Holds both weakly: the connection's owner owns the sink, and neither
 // is kept alive by the transport (a message for a channel or server that is
 // gone is dropped).
 template <typename Owner, typename Conn>
@@ -26,6 +26,12 @@ class ReceiveSink final : public transport::MessageSink {
   }
   void OnConnectionError(absl::Status status) override {
     Forward(absl::StatusOr<transport::Message>(std::move(status)));
+  }
+  // The owner's SendUntracked() sends: owner->OnSendsCompleted(conn, count).
+  void OnSendsCompleted(size_t count) override {
+    std::shared_ptr<Owner> owner = owner_.lock();
+    std::shared_ptr<Conn> conn = conn_.lock();
+    if (owner && conn) owner->OnSendsCompleted(conn, count);
   }
 
  private:

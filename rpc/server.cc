@@ -159,6 +159,8 @@ class Server::Impl : public std::enable_shared_from_this<Impl> {
   bool TrySend(const std::shared_ptr<Conn>& conn, uint64_t call_id, Status& status, const MessageLite* response);
   void PumpPending(const std::shared_ptr<Conn>& conn);
   void OnSendDone(const std::shared_ptr<Conn>& conn, const absl::Status& st);
+  // Through the sink: `count` responses sent with SendUntracked() completed.
+  void OnSendsCompleted(const std::shared_ptr<Conn>& conn, size_t count);
   void OnStreamFrame(const std::shared_ptr<Conn>& conn, const rpc::DecodedFrame& f);
   void SendControl(const std::shared_ptr<Conn>& conn, rpc::FrameType type, bool close_after);
   void CloseConn(const std::shared_ptr<Conn>& conn, const Status& why);
@@ -790,11 +792,20 @@ bool Server::Impl::TrySend(const std::shared_ptr<Conn>& conn, uint64_t call_id, 
   else if (body > 0)
     std::memcpy(out.data() + rpc::kFrameHeaderSize, status.message().data(), body);
   ++conn->sends_in_flight;
+  if (conn->sink) {
+    conn->c->SendUntracked(std::move(*buffer));  // done: OnSendsCompleted; failed: the sink's error
+    return true;
+  }
   conn->c->Send(std::move(*buffer), transport::WithHandlerMemory([self = shared_from_this(), conn](absl::Status st) {
     --conn->sends_in_flight;
     self->OnSendDone(conn, st);
   }));
   return true;
+}
+
+void Server::Impl::OnSendsCompleted(const std::shared_ptr<Conn>& conn, size_t count) {
+  conn->sends_in_flight -= count;
+  OnSendDone(conn, absl::OkStatus());
 }
 
 void Server::Impl::OnSendDone(const std::shared_ptr<Conn>& conn, const absl::Status& st) {

@@ -175,6 +175,12 @@ class MessageSink {
   // nothing is delivered after it. Posted, not from inside a call. Not called
   // once the consumer called Close().
   virtual void OnConnectionError(absl::Status status) = 0;
+  // `count` sends made with SendUntracked() completed (their buffers are
+  // back: Prepare() may have room again). Called like OnMessage(), from the
+  // transport's own handlers, once per batch of completions, never inside
+  // a call the consumer made. Not called for failed sends: a failure fails
+  // the connection (OnConnectionError).
+  virtual void OnSendsCompleted(size_t count) { (void)count; }
 };
 
 class Connection {
@@ -192,6 +198,10 @@ class Connection {
   virtual absl::StatusOr<SendBuffer> Prepare(size_t size) = 0;
   // Queues `buffer` for sending; completes once the transport is done with it.
   virtual void Send(SendBuffer buffer, SendHandler handler) = 0;
+  // A send nobody waits for alone, for consumers with a sink: its completion
+  // is counted to MessageSink::OnSendsCompleted(), its failure is the
+  // connection's (OnConnectionError). Saves a type-erased handler per message.
+  void SendUntracked(SendBuffer buffer) { Send(std::move(buffer), SendHandler()); }
   virtual void Receive(ReceiveHandler handler) = 0;
   // Hands every message from now on to `sink` (messages received before go
   // first, from a posted operation); Receive() then fails with

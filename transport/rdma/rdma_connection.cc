@@ -174,6 +174,7 @@ class RdmaConnectionImpl final : public std::enable_shared_from_this<RdmaConnect
     for (uint32_t i = 0; i < send_slots_; ++i) free_send_slots_.push_back(i);
     slot_handlers_.resize(send_slots_);
     slot_lent_.resize(send_slots_);
+    slot_untracked_.resize(send_slots_);
     for (uint32_t i = 0; i < recv_slots_; ++i)
       if (auto st = PostRecv(i); !st.ok()) return st;
     return absl::OkStatus();
@@ -328,21 +329,23 @@ class RdmaConnectionImpl final : public std::enable_shared_from_this<RdmaConnect
 
   void Send(SendBuffer buffer, SendHandler handler) {
     if (buffer.owner() != this) {
-      transport::PostCompletion(ex_, std::move(handler),
-                                absl::InvalidArgumentError("SendBuffer was not prepared by this connection"));
+      if (handler)
+        transport::PostCompletion(ex_, std::move(handler),
+                                  absl::InvalidArgumentError("SendBuffer was not prepared by this connection"));
       return;
     }
     const size_t size = buffer.size();
     const uint64_t token = buffer.Detach();
     if (!error_.ok()) {
       Release(token);
-      transport::PostCompletion(ex_, std::move(handler), error_);
+      if (handler) transport::PostCompletion(ex_, std::move(handler), error_);
       return;
     }
     if (TokenKindOf(token) == kTokSendSlot) {
       pending_.push_back({Op::kData, static_cast<uint32_t>(TokenIndex(token)), size, 0, std::move(handler)});
     } else {
       auto& lo = large_out_.at(TokenIndex(token));
+      lo.untracked = !handler;
       lo.handler.swap(handler);
       lo.queued = true;
       pending_.push_back({Op::kRts, 0, size, TokenIndex(token), {}});
@@ -463,6 +466,7 @@ class RdmaConnectionImpl final : public std::enable_shared_from_this<RdmaConnect
     size_t size = 0;
     uint32_t lkey = 0;
     SendHandler handler;
+    bool untracked = false;  // SendUntracked(): its completion is counted to the sink
     bool queued = false;
     wire::Grant grant{};
   };
@@ -688,6 +692,7 @@ class RdmaConnectionImpl final : public std::enable_shared_from_this<RdmaConnect
       bytes += wire::kGrantSize;
     }
     slot_handlers_[slot] = nullptr;
+    slot_untracked_[slot] = 0;
     return PostSend(slot, bytes);
   }
 
@@ -760,6 +765,7 @@ class RdmaConnectionImpl final : public std::enable_shared_from_this<RdmaConnect
     auto owed = ledger_->TakeOwed();
     wire::EncodeHeader({wire::Type::kData, owed.data, owed.ctrl, static_cast<uint32_t>(op.size), 0}, SendSlot(slot));
     slot_handlers_[slot].swap(op.handler);  // Never move-assign: see kNoHandlerAssign.
+    slot_untracked_[slot] = slot_handlers_[slot] ? 0 : 1;  // SendUntracked(): counted to the sink
     stats_.eager_bytes += op.size;
   }
 
@@ -1092,7 +1098,10 @@ class RdmaConnectionImpl final : public std::enable_shared_from_this<RdmaConnect
           const uint32_t slot = static_cast<uint32_t>(WrIndex(wc.wr_id));
           free_send_slots_.push_back(slot);
           if (slot_lent_[slot] != 0) large_out_.erase(std::exchange(slot_lent_[slot], 0));
-          if (slot_handlers_[slot]) done_sends_.push_back(std::move(slot_handlers_[slot]));
+          if (slot_handlers_[slot])
+            done_sends_.push_back(std::move(slot_handlers_[slot]));
+          else if (std::exchange(slot_untracked_[slot], 0) != 0)
+            ++untracked_done_;
           break;
         }
         case kWrInval: {  // A grant window is shut: its message may be read.
@@ -1115,8 +1124,12 @@ class RdmaConnectionImpl final : public std::enable_shared_from_this<RdmaConnect
           auto it = large_out_.find(WrIndex(wc.wr_id));
           if (it != large_out_.end()) {
             SendHandler h = std::move(it->second.handler);
+            const bool untracked = it->second.untracked;
             large_out_.erase(it);
-            if (h) done_sends_.push_back(std::move(h));
+            if (h)
+              done_sends_.push_back(std::move(h));
+            else if (untracked)
+              ++untracked_done_;
           }
           break;
         }
@@ -1134,13 +1147,15 @@ class RdmaConnectionImpl final : public std::enable_shared_from_this<RdmaConnect
   // handler that sends, receives or closes sees a consistent connection.
   // Kept alive meanwhile: a handler may drop the last outside reference.
   void FlushCompletions() {
-    if (done_sends_.empty() && done_receives_.empty() && sink_ready_.empty()) return;
+    if (done_sends_.empty() && done_receives_.empty() && sink_ready_.empty() && untracked_done_ == 0) return;
     auto self = shared_from_this();
     while (!done_sends_.empty()) {
       SendHandler h = std::move(done_sends_.front());
       done_sends_.pop_front();
       transport::DispatchCompletion(ex_, std::move(h), absl::OkStatus());
     }
+    if (const size_t n = std::exchange(untracked_done_, 0); n != 0 && sink_ != nullptr && error_.ok())
+      sink_->OnSendsCompleted(n);
     // Received messages after the sends, as receive handlers.
     HandSinkReady();
     while (!done_receives_.empty()) {
@@ -1363,6 +1378,8 @@ class RdmaConnectionImpl final : public std::enable_shared_from_this<RdmaConnect
   std::vector<uint32_t> free_send_slots_;
   std::vector<SendHandler> slot_handlers_;  // By send slot: whom to tell when its SEND completes.
   std::vector<uint64_t> slot_lent_;  // By send slot: the large_out_ key of a lent Buffer it gathers, or 0.
+  std::vector<uint8_t> slot_untracked_;  // By send slot: 1 while it carries a SendUntracked() message.
+  size_t untracked_done_ = 0;  // SendUntracked() completions of this batch, for the sink.
   transport::Fifo<PendingOp> pending_;  // DATA and RTS, in message order.
   transport::Fifo<PendingOp> control_;  // CTS and WRITE: rendezvous progress, first.
   // Before large_out_: its buffers go back to the pool before the pool goes.

@@ -331,12 +331,13 @@ class ConnectionCore final : public std::enable_shared_from_this<ConnectionCore>
 
   void Send(SendBuffer buffer, SendHandler handler) {
     if (buffer.owner() != &pool_) {
-      PostCompletion(ex_, std::move(handler),
-                     absl::InvalidArgumentError("Send() takes a SendBuffer from this connection's Prepare()"));
+      if (handler)
+        PostCompletion(ex_, std::move(handler),
+                       absl::InvalidArgumentError("Send() takes a SendBuffer from this connection's Prepare()"));
       return;
     }
     if (!status_.ok()) {
-      PostCompletion(ex_, std::move(handler), status_);
+      if (handler) PostCompletion(ex_, std::move(handler), status_);
       return;
     }
     const size_t size = buffer.size();
@@ -709,15 +710,21 @@ class ConnectionCore final : public std::enable_shared_from_this<ConnectionCore>
     const absl::Status result = status_;
     std::vector<PendingSend> done;
     done.swap(written_);
+    size_t untracked = 0;
     for (PendingSend& s : done) {
       if (result.ok()) {
         messages_sent_.fetch_add(1, std::memory_order_relaxed);
         bytes_sent_.fetch_add(s.size, std::memory_order_relaxed);
       }
-      DispatchCompletion(ex_, std::move(s.handler), result);
+      if (s.handler)
+        DispatchCompletion(ex_, std::move(s.handler), result);
+      else
+        ++untracked;
     }
     done.clear();
     if (written_.empty()) written_.swap(done);  // keep the capacity
+    // Last: the sink may Close() the connection (the core stays alive: our caller holds it).
+    if (untracked != 0 && result.ok() && sink_ != nullptr) sink_->OnSendsCompleted(untracked);
   }
 
   void OnWritten(error_code ec) {
@@ -758,7 +765,7 @@ class ConnectionCore final : public std::enable_shared_from_this<ConnectionCore>
     while (!send_queue_.empty()) {
       PendingSend& s = send_queue_.front();
       pool_.Release(s.token);
-      PostCompletion(ex_, std::move(s.handler), status_);
+      if (s.handler) PostCompletion(ex_, std::move(s.handler), status_);
       send_queue_.pop_front();
     }
   }
