@@ -26,6 +26,7 @@ constexpr char kUsage[] =
     "                     [--concurrency=1,32] [--mode=closed|open] [--rate=CALLS_PER_S]\n"
     "                     [--warmup=MS] [--duration=MS] [--device=NAME] [--ip=ADDR]\n"
     "                     [--poll=busy|adaptive|event] [--rtc] [--spin] [--json] [--no-progress]\n"
+    "                     [--handler=coroutine|inline]\n"
     "                     [--with-perftest] [--alloc-trace=N]\n"
     "                     [--role=both|server|client] [--server=HOST] [--port=7470]\n"
     "\n"
@@ -39,7 +40,9 @@ constexpr char kUsage[] =
     "CPU and allocations are those of the whole process (client and server share it).\n"
     "rdma needs --device/--ip, or RXE_VM_DEV/RXE_VM_SELF_IP (set inside tools/rxe-vm).\n"
     "--rtc: rdma pollers run to completion (busy/adaptive): the event loop's thread polls\n"
-    "the CQ, no poller thread.\n";
+    "the CQ, no poller thread.\n"
+    "--handler=inline: the rdmarpc server answers from the generated inline fast path\n"
+    "(EchoInline) instead of the coroutine handler.\n";
 
 [[noreturn]] void Usage(const std::string& why) {
   if (why != "help") std::fprintf(stderr, "rdmarpc_bench: %s\n", why.c_str());
@@ -108,6 +111,9 @@ Flags ParseFlags(int argc, char** argv) {
       f.spin = true;
     } else if (key == "--rtc") {
       f.rtc = true;
+    } else if (key == "--handler") {
+      if (val != "coroutine" && val != "inline") Usage("--handler takes coroutine or inline");
+      f.inline_handler = val == "inline";
     } else if (key == "--json") {
       f.json = true;
     } else if (key == "--no-progress") {

@@ -51,6 +51,12 @@ class EchoService final : public rdmarpc::bench::Echo::Service {
     response.set_payload(request.payload());
     co_return Status();
   }
+  std::optional<Status> EchoInline(ServerContext&, const EchoRequest& request, EchoResponse& response) override {
+    if (!inline_handler) return std::nullopt;
+    response.set_payload(request.payload());
+    return Status();
+  }
+  bool inline_handler = false;  // --handler=inline
 };
 
 // Runs `io` on this thread until `done()`: sleeping in epoll between events,
@@ -107,6 +113,7 @@ class LocalServer {
     ServerOptions so;
     so.listen = {listen_uri};
     so.transport = options;
+    service_.inline_handler = f.inline_handler;
     server_ = std::make_unique<Server>(io_.get_executor(), so);
     if (auto st = server_->AddService(service_); !st.ok()) return absl::InternalError(st.ToString());
     if (auto st = server_->Start(); !st.ok()) return absl::UnavailableError(st.ToString());
