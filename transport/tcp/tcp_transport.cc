@@ -498,7 +498,7 @@ class ConnectionCore final : public std::enable_shared_from_this<ConnectionCore>
     ReadLoop();
     in_io_handler_ = false;
     in_read_handler_ = false;
-    if (!written_.empty()) CompleteWritten();
+    if (HasWritten()) CompleteWritten();
   }
 
   void ReadLarge(uint32_t size) {
@@ -529,7 +529,7 @@ class ConnectionCore final : public std::enable_shared_from_this<ConnectionCore>
     }
     in_io_handler_ = false;
     in_read_handler_ = false;
-    if (!written_.empty()) CompleteWritten();
+    if (HasWritten()) CompleteWritten();
   }
 
   void OnReadError(error_code ec) {
@@ -695,34 +695,45 @@ class ConnectionCore final : public std::enable_shared_from_this<ConnectionCore>
   }
 
   // The batch is written (or failed): its buffers go back, its handlers wait
-  // in written_ for CompleteWritten.
+  // in written_ for CompleteWritten (untracked sends only count).
   void ReleaseBatch() {
     for (PendingSend& s : in_flight_) {
       pool_.Release(s.token);
-      written_.push_back(std::move(s));
+      if (s.handler) {
+        written_.push_back(std::move(s));
+      } else {
+        ++untracked_written_;
+        untracked_written_bytes_ += s.size;
+      }
     }
     in_flight_.clear();
   }
+
+  bool HasWritten() const { return !written_.empty() || untracked_written_ != 0; }
 
   void CompleteWritten() {
     // OK unless the connection failed or was closed meanwhile (then the
     // contract says the pending send completes with that status).
     const absl::Status result = status_;
-    std::vector<PendingSend> done;
-    done.swap(written_);
-    size_t untracked = 0;
-    for (PendingSend& s : done) {
-      if (result.ok()) {
-        messages_sent_.fetch_add(1, std::memory_order_relaxed);
-        bytes_sent_.fetch_add(s.size, std::memory_order_relaxed);
-      }
-      if (s.handler)
-        DispatchCompletion(ex_, std::move(s.handler), result);
-      else
-        ++untracked;
+    const size_t untracked = std::exchange(untracked_written_, 0);
+    const size_t untracked_bytes = std::exchange(untracked_written_bytes_, 0);
+    if (result.ok() && untracked != 0) {
+      messages_sent_.fetch_add(untracked, std::memory_order_relaxed);
+      bytes_sent_.fetch_add(untracked_bytes, std::memory_order_relaxed);
     }
-    done.clear();
-    if (written_.empty()) written_.swap(done);  // keep the capacity
+    if (!written_.empty()) {
+      std::vector<PendingSend> done;
+      done.swap(written_);
+      for (PendingSend& s : done) {
+        if (result.ok()) {
+          messages_sent_.fetch_add(1, std::memory_order_relaxed);
+          bytes_sent_.fetch_add(s.size, std::memory_order_relaxed);
+        }
+        DispatchCompletion(ex_, std::move(s.handler), result);
+      }
+      done.clear();
+      if (written_.empty()) written_.swap(done);  // keep the capacity
+    }
     // Last: the sink may Close() the connection (the core stays alive: our caller holds it).
     if (untracked != 0 && result.ok() && sink_ != nullptr) sink_->OnSendsCompleted(untracked);
   }
@@ -813,6 +824,8 @@ class ConnectionCore final : public std::enable_shared_from_this<ConnectionCore>
   std::array<asio::const_buffer, kMaxBatch> iov_{};
   bool writing_ = false;
   std::vector<PendingSend> written_;  // Written by WriteBatch() itself; handlers not run yet.
+  size_t untracked_written_ = 0;        // SendUntracked() messages written, not yet told to the sink.
+  size_t untracked_written_bytes_ = 0;
   bool complete_posted_ = false;
   OpMemory complete_memory_;
 
