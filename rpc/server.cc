@@ -77,7 +77,8 @@ class Server::Impl : public std::enable_shared_from_this<Impl> {
   // messages' string capacity) instead of allocating them. Shared with the
   // deleters, which may run after the server is gone.
   struct CallPool {
-    absl::flat_hash_map<const Service::Method*, std::vector<std::unique_ptr<Call>>> free;
+    using FreeList = std::vector<std::unique_ptr<Call>>;
+    std::vector<std::unique_ptr<FreeList>> lists;  // one per method (stable addresses: Entry and Call point here)
     static constexpr size_t kKeepPerMethod = 256;
   };
   struct Recycle {
@@ -85,7 +86,8 @@ class Server::Impl : public std::enable_shared_from_this<Impl> {
     void operator()(Call* call) const;
   };
   using CallPtr = std::unique_ptr<Call, Recycle>;
-  CallPtr NewCall(const Service::Method* method);
+  struct Entry;
+  CallPtr NewCall(const Entry& entry);
 
   struct Conn {
     // Declared before c: the connection (closed by its destructor) goes first.
@@ -130,11 +132,13 @@ class Server::Impl : public std::enable_shared_from_this<Impl> {
     std::shared_ptr<ServerStream> stream;  // streaming methods
     bool answered = false;
     uint64_t generation = 0;  // bumped each time the object is recycled
+    CallPool::FreeList* home = nullptr;  // the method's free list
   };
   struct Entry {
     Service* service;
     const Service::Method* method;
     MethodMetrics* metrics;
+    CallPool::FreeList* free;  // its recycled calls (pool_->lists)
   };
 
   void Accept(transport::Listener* listener);
@@ -238,7 +242,7 @@ void Server::Impl::Recycle::operator()(Call* call) const {
   call->stream.reset();
   call->answered = false;
   call->ctx.Reset(nullptr);
-  auto& list = pool->free[call->method];
+  auto& list = *call->home;
   if (list.size() >= CallPool::kKeepPerMethod) {
     delete call;
     return;
@@ -247,15 +251,17 @@ void Server::Impl::Recycle::operator()(Call* call) const {
   list.emplace_back(call);
 }
 
-Server::Impl::CallPtr Server::Impl::NewCall(const Service::Method* method) {
-  auto& list = pool_->free[method];
+Server::Impl::CallPtr Server::Impl::NewCall(const Entry& entry) {
+  auto& list = *entry.free;
   if (!list.empty()) {
     CallPtr call(list.back().release(), Recycle{pool_});
     list.pop_back();
     return call;
   }
+  const Service::Method* method = entry.method;
   CallPtr call(new Call(ex_), Recycle{pool_});
   call->method = method;
+  call->home = entry.free;
   call->request.reset(method->request_prototype().New());
   call->response.reset(method->response_prototype().New());
   return call;
@@ -270,7 +276,10 @@ Status Server::Impl::AddService(Service& service) {
                                  " is already served by ", internal::Sv(it->second.method->info.full_name),
                                  " (same method registered twice, or an id collision: rename one)"));
   }
-  for (const auto& m : service.methods()) methods_.emplace(m.info.id, Entry{&service, &m, metrics_.AddMethod(m.info)});
+  for (const auto& m : service.methods()) {
+    pool_->lists.push_back(std::make_unique<CallPool::FreeList>());
+    methods_.emplace(m.info.id, Entry{&service, &m, metrics_.AddMethod(m.info), pool_->lists.back().get()});
+  }
   services_.push_back(&service);
   return Status();
 }
@@ -555,7 +564,7 @@ void Server::Impl::OnRequest(const std::shared_ptr<Conn>& conn, Message message,
   if (streaming && info.client_streaming && !f.payload.empty())
     return reject(InvalidArgumentError(absl::StrCat(internal::Sv(info.full_name),
                                                     ": a client-streaming REQUEST carries no payload")));
-  CallPtr call = NewCall(entry.method);
+  CallPtr call = NewCall(entry);
   call->conn = conn;
   call->id = id;
   call->service = entry.service;
