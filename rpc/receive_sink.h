@@ -12,9 +12,10 @@
 namespace rdmarpc::internal {
 
 // Forwards to owner->OnReceive(conn, message-or-error), as a Receive() handler
-// would, and completions of untracked sends to owner->OnSendsCompleted(). Holds both weakly: the connection's owner owns the sink, and neither
-// is kept alive by the transport (a message for a channel or server that is
-// gone is dropped).
+// would, and completions of untracked sends to owner->OnSendsCompleted().
+// Holds both weakly: the connection's owner owns the sink, and neither is kept
+// alive by the transport (a message for a channel or server that is gone is
+// dropped).
 template <typename Owner, typename Conn>
 class ReceiveSink final : public transport::MessageSink {
  public:
