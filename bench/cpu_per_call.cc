@@ -84,6 +84,10 @@ struct Options {
   // The server answers from the generated inline fast path (EchoInline), not
   // from the coroutine handler.
   bool inline_handler = false;
+  // The io_context's concurrency hint: BOOST_ASIO_CONCURRENCY_HINT_UNSAFE_IO
+  // (no locking around each descriptor's reactor operations; the scheduler
+  // keeps its lock) instead of 1.
+  bool unsafe_io = false;
 };
 
 [[noreturn]] void Usage(const std::string& why) {
@@ -92,7 +96,8 @@ struct Options {
                "usage: cpu_per_call [--transport=tcp,rdma,grpc] [--calls=N] [--warmup=N] [--size=BYTES]\n"
                "                    [--concurrency=N] [--callgrind] [--device=NAME] [--ip=ADDR] [--alloc-trace=N]\n"
                "                    [--poll=event|adaptive|busy] [--rtc]   (rdma: poll mode, run to completion)\n"
-               "                    [--handler=coroutine|inline]   (the server's echo: coroutine, or inline fast path)\n\n"
+               "                    [--handler=coroutine|inline]   (the server's echo: coroutine, or inline fast path)\n"
+               "                    [--io-hint=1|unsafe-io]   (tcp: the io_context's concurrency hint)\n\n"
                "Unary echo, client and server in this process. Prints heap allocations per call and,\n"
                "with --callgrind (valgrind installed), user-space instructions per call, both sides\n"
                "together. rdma needs --device/--ip, or RXE_VM_DEV/RXE_VM_SELF_IP (set inside tools/rxe-vm).\n");
@@ -131,6 +136,9 @@ Options Parse(int argc, char** argv) {
       auto m = rdma::ParsePollMode(val);
       if (!m.ok()) Usage(std::string(m.status().message()));
       o.poll = *m;
+    } else if (key == "io-hint") {
+      if (val != "1" && val != "unsafe-io") Usage("--io-hint takes 1 or unsafe-io (got " + val + ")");
+      o.unsafe_io = val == "unsafe-io";
     } else if (key == "handler") {
       if (val != "coroutine" && val != "inline") Usage("--handler takes coroutine or inline (got " + val + ")");
       o.inline_handler = val == "inline";
@@ -215,6 +223,8 @@ absl::StatusOr<Phase> RunRdmarpc(const Options& o, const std::string& transport)
   TransportOptions topts;
   std::string host = "127.0.0.1";
   if (transport == "rdma") {
+    if (o.unsafe_io)
+      return absl::InvalidArgumentError("--io-hint=unsafe-io is for tcp only (not checked with the rdma pollers' threads)");
     if (o.ip.empty())
       return absl::InvalidArgumentError("rdma needs --ip (an address on the RDMA device's netdev), or run inside tools/rxe-vm");
     auto c = rdma::RdmaContext::Open({.name = o.device});
@@ -224,7 +234,10 @@ absl::StatusOr<Phase> RunRdmarpc(const Options& o, const std::string& transport)
     topts.rdma.run_to_completion = o.rtc;
     host = o.ip;
   }
-  asio::io_context io(1);  // one thread: Asio may skip its locks
+  // One thread runs everything. Hint 1 still locks the scheduler and each
+  // descriptor; UNSAFE_IO drops the descriptor locks (safe with one thread
+  // and TCP: nothing else touches the reactor).
+  asio::io_context io(o.unsafe_io ? BOOST_ASIO_CONCURRENCY_HINT_UNSAFE_IO : 1);
   EchoService service(o.inline_handler);
   ServerOptions so;
   so.listen = {absl::StrCat(transport, "://", host, ":0")};
@@ -396,6 +409,7 @@ absl::StatusOr<CountRow> RunUnderCallgrind(const Options& o, const std::string& 
   args.push_back(absl::StrCat("--poll=", rdma::PollModeName(o.poll)));
   if (o.rtc) args.push_back("--rtc");
   if (o.inline_handler) args.push_back("--handler=inline");
+  if (o.unsafe_io) args.push_back("--io-hint=unsafe-io");
   if (!o.ip.empty()) args.push_back(absl::StrCat("--ip=", o.ip));
   int pipefd[2];
   if (pipe(pipefd) != 0) return absl::InternalError("pipe failed");
@@ -490,7 +504,8 @@ int main(int argc, char** argv) {
                                                      static_cast<double>(grpc->phase.calls)));
     }
     const std::string label = r.transport == "grpc" ? r.transport
-                              : absl::StrCat(r.transport, o.inline_handler ? " (inline handler)" : " (coroutine handler)");
+                              : absl::StrCat(r.transport, o.inline_handler ? " (inline handler" : " (coroutine handler",
+                                             o.unsafe_io ? ", UNSAFE_IO)" : ")");
     std::printf("| %s | %zu | %d | %llu | %s | %.2f | %llu | %.1f |\n", label.c_str(), o.size, o.concurrency,
                 static_cast<unsigned long long>(r.phase.calls), ins.c_str(),
                 static_cast<double>(r.phase.allocs) / calls, static_cast<unsigned long long>(r.phase.errors),
