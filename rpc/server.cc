@@ -153,6 +153,7 @@ class Server::Impl : public std::enable_shared_from_this<Impl> {
   void OnReceive(const std::shared_ptr<Conn>& conn, absl::StatusOr<Message> message);
   void OnRequest(const std::shared_ptr<Conn>& conn, Message message, const rpc::DecodedFrame& f);
   void OnHandlerDone(Call* call, std::exception_ptr error, Status status);
+  static Status ThrownStatus(const MethodInfo& info, const ServerContext& ctx, std::exception_ptr error);
   void RunHandler(Call* call);
   static asio::awaitable<void> WorkerLoop(std::weak_ptr<Impl> weak, std::shared_ptr<Worker> worker, Call* first);
   void CancelCall(Call* call, StatusCode reason, const Status* answer);
@@ -587,10 +588,8 @@ void Server::Impl::OnRequest(const std::shared_ptr<Conn>& conn, Message message,
     std::optional<Status> answer;
     try {
       answer = entry.method->invoke_inline(*call->service, call->ctx, *call->request, *call->response);
-    } catch (const std::exception& e) {
-      answer = InternalError(absl::StrCat("handler of ", internal::Sv(info.full_name), " threw: ", e.what()));
     } catch (...) {
-      answer = InternalError(absl::StrCat("handler of ", internal::Sv(info.full_name), " threw"));
+      answer = ThrownStatus(info, call->ctx, std::current_exception());
     }
     if (answer) {
       // Answered inline: no coroutine, no timer, never in conn->calls.
@@ -691,6 +690,22 @@ void Server::Impl::CancelCall(Call* call, StatusCode reason, const Status* answe
   if (call->worker != nullptr) call->worker->cancel.emit(asio::cancellation_type::terminal);
 }
 
+// What a handler's exception answers: the cancellation's reason when a
+// cancelled handler's awaited operation threw (system_error), else INTERNAL
+// naming the method and the exception.
+Status Server::Impl::ThrownStatus(const MethodInfo& info, const ServerContext& ctx, std::exception_ptr error) {
+  try {
+    std::rethrow_exception(error);
+  } catch (const boost::system::system_error& e) {
+    return ctx.is_cancelled() ? Status(ctx.cancel_reason(), "handler cancelled")
+                              : InternalError(absl::StrCat("handler of ", internal::Sv(info.full_name), " threw: ", e.what()));
+  } catch (const std::exception& e) {
+    return InternalError(absl::StrCat("handler of ", internal::Sv(info.full_name), " threw: ", e.what()));
+  } catch (...) {
+    return InternalError(absl::StrCat("handler of ", internal::Sv(info.full_name), " threw"));
+  }
+}
+
 void Server::Impl::OnHandlerDone(Call* raw, std::exception_ptr error, Status status) {
   CallPtr call(raw, Recycle{pool_});
   call->deadline_timer.cancel();
@@ -701,19 +716,7 @@ void Server::Impl::OnHandlerDone(Call* raw, std::exception_ptr error, Status sta
   --stats_.calls_in_flight;
   ++stats_.calls_finished;
   if (!call->answered) {
-    if (error) {
-      try {
-        std::rethrow_exception(error);
-      } catch (const boost::system::system_error& e) {
-        status = call->ctx.is_cancelled() ? Status(call->ctx.cancel_reason(), "handler cancelled")
-                                          : InternalError(absl::StrCat("handler of ", internal::Sv(call->method->info.full_name),
-                                                                       " threw: ", e.what()));
-      } catch (const std::exception& e) {
-        status = InternalError(absl::StrCat("handler of ", internal::Sv(call->method->info.full_name), " threw: ", e.what()));
-      } catch (...) {
-        status = InternalError(absl::StrCat("handler of ", internal::Sv(call->method->info.full_name), " threw"));
-      }
-    }
+    if (error) status = ThrownStatus(call->method->info, call->ctx, error);
     call->metrics->Record(status.code(), Clock::now() - call->received);
     call->answered = true;
     if (call->stream) {
