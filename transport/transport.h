@@ -197,6 +197,8 @@ class Connection {
   // connection's executor.
   virtual absl::StatusOr<SendBuffer> Prepare(size_t size) = 0;
   // Queues `buffer` for sending; completes once the transport is done with it.
+  // An empty `handler` makes it an untracked send (SendUntracked()): every
+  // backend must accept one.
   virtual void Send(SendBuffer buffer, SendHandler handler) = 0;
   // A send nobody waits for alone, for consumers with a sink: its completion
   // is counted to MessageSink::OnSendsCompleted(), its failure is the
