@@ -8,6 +8,7 @@
 //                   [--device=NAME] [--ip=ADDR] [--with-perftest] [--phase-ms=3000] [--spin]
 //                   [--rtc]   (busy/adaptive: run to completion, no poller thread)
 //                   [--grant-windows=1|0]  (rendezvous grants: windows over a pool, or an MR per message)
+//                   [--phases=latency,bandwidth]  (one of them alone: e.g. for strace -c of the ping-pong)
 //
 // Client and server run in one process on two threads, each with its own
 // io_context, so neither side's processing hides in the other's.
@@ -61,13 +62,17 @@ struct Flags {
   bool rtc = false;  // RdmaOptions::run_to_completion
   bool receive = false;  // --receive: a Receive() per message instead of the MessageSink
   bool grant_windows = rdmarpc::rdma::RdmaOptions{}.grant_windows;  // --grant-windows; the library's default
+  // --phases: which measurements run. Latency alone makes a run whose syscalls
+  // and instructions (strace -c, callgrind) are the ping-pong's only.
+  bool latency = true, bandwidth = true;
 };
 
 [[noreturn]] void Usage(const std::string& why) {
   std::fprintf(stderr,
                "transport_bench: %s\nusage: transport_bench [--transport=rdma,tcp] [--sizes=64,4096,...] "
                "[--iters=N] [--window=N] [--poll=event|adaptive|busy] [--device=NAME] [--ip=ADDR] "
-               "[--with-perftest] [--phase-ms=MS] [--spin] [--rtc] [--grant-windows=1|0] [--receive]\n",
+               "[--with-perftest] [--phase-ms=MS] [--spin] [--rtc] [--grant-windows=1|0] [--receive] "
+               "[--phases=latency,bandwidth]\n",
                why.c_str());
   std::exit(2);
 }
@@ -116,6 +121,14 @@ Flags Parse(int argc, char** argv) {
     } else if (key == "--grant-windows") {
       if (val != "0" && val != "1") Usage("--grant-windows takes 1 (memory windows over a pool) or 0 (an MR per message)");
       f.grant_windows = val == "1";
+    } else if (key == "--phases") {
+      f.latency = f.bandwidth = false;
+      for (auto p : absl::StrSplit(val, ',', absl::SkipEmpty())) {
+        if (p == "latency") f.latency = true;
+        else if (p == "bandwidth") f.bandwidth = true;
+        else Usage("--phases takes latency,bandwidth (one or both), not '" + std::string(p) + "'");
+      }
+      if (!f.latency && !f.bandwidth) Usage("--phases needs latency, bandwidth or both");
     } else if (key == "--with-perftest") {
       f.perftest = true;
     } else if (key == "--help" || key == "-h") {
@@ -223,7 +236,7 @@ absl::Status Measure(const std::string& name, Connection& client, ClientSink* si
     // Latency: one message in flight.
     server.echo = true;
     std::vector<double> us;
-    const int iters = size >= (1 << 20) ? std::max(20, f.iters / 20) : f.iters;
+    const int iters = !f.latency ? 0 : size >= (1 << 20) ? std::max(20, f.iters / 20) : f.iters;
     const auto lat_deadline = Clock::now() + f.phase;
     for (int i = -std::min(100, iters / 10); i < iters && (i < 10 || i % 64 != 0 || Clock::now() < lat_deadline);
          ++i) {
@@ -255,6 +268,11 @@ absl::Status Measure(const std::string& name, Connection& client, ClientSink* si
     // Bandwidth: `window` messages in flight one way, then a 1-byte marker
     // the server answers; time from first send to that answer.
     server.echo = false;
+    if (!f.bandwidth) {
+      rows.push_back(row);
+      std::fprintf(stderr, "  %s %zu B: p50 %.1f us, p99 %.1f us\n", name.c_str(), size, row.p50, row.p99);
+      continue;
+    }
     const size_t total_bytes = std::max<size_t>(size * 200, size_t{64} << 20);
     const int count = static_cast<int>(std::min<size_t>(total_bytes / std::max<size_t>(size, 1), 200000));
     int sent = 0, done_sends = 0;
