@@ -103,8 +103,11 @@ class Channel::Impl : public std::enable_shared_from_this<Impl> {
   };
   enum class CallState { kFree, kQueued, kBlocked, kSent };
   struct Call {
-    explicit Call(const asio::any_io_executor& ex) : timer(ex) {}
+    Call(const asio::any_io_executor& ex, uint32_t i) : index(i), timer(ex) {}
+    // The wire id of a unary call names its pool slot and that slot's
+    // generation (UnaryCallId): a response finds its call by index, no map.
     uint64_t id = 0;
+    const uint32_t index;  // in all_calls_
     uint64_t generation = 0;
     CallState state = CallState::kFree;
     ClientContext* ctx = nullptr;
@@ -136,6 +139,22 @@ class Channel::Impl : public std::enable_shared_from_this<Impl> {
   };
 
   Call* Acquire();
+  // Unary call ids: the slot's generation (1..2^31-1, wrapping) above its
+  // index; bit 63 clear. Stream ids have bit 63 set (kStreamIdBit), so the two
+  // never meet, and a slot's next call never reuses the id of its last one
+  // (the server refuses an id still in flight).
+  static constexpr uint64_t kStreamIdBit = uint64_t{1} << 63;
+  static uint64_t UnaryCallId(const Call& c) {
+    return ((c.generation % 0x7fffffffu) + 1) << 32 | c.index;
+  }
+  // The call a response names, if it is still waiting for one.
+  Call* FindSent(uint64_t id) const {
+    if ((id & kStreamIdBit) != 0) return nullptr;
+    const uint64_t index = id & 0xffffffffu;
+    if (index >= all_calls_.size()) return nullptr;
+    Call* c = all_calls_[index].get();
+    return c->state == CallState::kSent && c->id == id ? c : nullptr;
+  }
   void FailLater(Call* call, Status status);
   void Finish(Call* call, Status status, ResponsePayload payload, bool tell_server);
   void Send(Call* call);
@@ -180,11 +199,10 @@ class Channel::Impl : public std::enable_shared_from_this<Impl> {
   std::shared_ptr<Conn> conn_;
   std::vector<std::unique_ptr<Call>> all_calls_;
   std::vector<Call*> free_calls_;
-  absl::flat_hash_map<uint64_t, Call*> sent_;
   absl::flat_hash_map<uint64_t, std::shared_ptr<ClientStream>> streams_;
   std::deque<Ref> queued_;
   size_t outstanding_ = 0;
-  uint64_t next_call_id_ = 1;
+  uint64_t next_stream_id_ = 1;  // below kStreamIdBit
   asio::steady_timer backoff_timer_;
   asio::steady_timer keepalive_timer_;
   bool keepalive_armed_ = false;
@@ -295,7 +313,7 @@ void Channel::Impl::OpenStream(ClientContext& ctx, const MethodInfo& method, con
     return transport::PostCompletion(ex_, std::move(handler), make_error_code(StatusCode::kResourceExhausted),
                                      std::shared_ptr<internal::StreamCore>());
   }
-  const uint64_t id = next_call_id_++;
+  const uint64_t id = kStreamIdBit | next_stream_id_++;
   const uint32_t window = ctx.stream_window() != 0 ? ctx.stream_window() : options_.stream_window;
   auto stream = std::make_shared<ClientStream>(shared_from_this(), conn, id, &ctx, method, window);
   streams_.emplace(id, stream);
@@ -360,7 +378,7 @@ void Channel::Impl::StreamEnded(ClientStream* stream) {
 
 Channel::Impl::Call* Channel::Impl::Acquire() {
   if (free_calls_.empty()) {
-    all_calls_.push_back(std::make_unique<Call>(ex_));
+    all_calls_.push_back(std::make_unique<Call>(ex_, static_cast<uint32_t>(all_calls_.size())));
     // Room for every call to come back at once: Finish() never grows it.
     free_calls_.reserve(all_calls_.capacity());
     free_calls_.push_back(all_calls_.back().get());
@@ -374,7 +392,7 @@ void Channel::Impl::Start(ClientContext& ctx, const MethodInfo& method, const Me
                           std::string bytes, CallHandler handler) {
   ++stats_.calls_started;
   Call* call = Acquire();
-  call->id = next_call_id_++;
+  call->id = UnaryCallId(*call);
   call->ctx = &ctx;
   call->method = &method;
   call->request = request;
@@ -436,7 +454,6 @@ void Channel::Impl::FailLater(Call* call, Status status) {
 
 void Channel::Impl::Finish(Call* call, Status status, ResponsePayload payload, bool tell_server) {
   if (call->state == CallState::kSent) {
-    sent_.erase(call->id);
     if (call->conn) {
       // The CANCEL says why, so the server counts a call the client's timer
       // ended as DEADLINE_EXCEEDED even when it arrives before its own timer fires.
@@ -518,7 +535,6 @@ void Channel::Impl::Send(Call* call) {
   call->state = CallState::kSent;
   call->conn = conn;
   ++conn->calls;
-  sent_.emplace(call->id, call);
   if (conn->sink) {
     conn->c->SendUntracked(std::move(*buffer));  // done: OnSendsCompleted; failed: the sink's error
     return;
@@ -714,8 +730,8 @@ void Channel::Impl::OnReceive(const std::shared_ptr<Conn>& conn, absl::StatusOr<
   }
   switch (f.header.type) {
     case rpc::FrameType::kResponse: {
-      auto it = sent_.find(f.header.call_id);
-      if (it == sent_.end()) {
+      Call* call = FindSent(f.header.call_id);
+      if (call == nullptr) {
         if (auto st = streams_.find(f.header.call_id); st != streams_.end() && st->second->conn() == conn) {
           std::shared_ptr<ClientStream> stream = st->second;
           if (f.header.status == StatusCode::kOk) {
@@ -727,11 +743,10 @@ void Channel::Impl::OnReceive(const std::shared_ptr<Conn>& conn, absl::StatusOr<
           break;
         }
       }
-      if (it == sent_.end() || it->second->conn != conn) {
+      if (call == nullptr || call->conn != conn) {
         ++stats_.late_responses;  // completed already (deadline, cancel)
         break;
       }
-      Call* call = it->second;
       if (f.header.status == StatusCode::kOk) {
         Finish(call, Status(), ResponsePayload(std::move(*message), f.payload), false);
       } else {
@@ -820,10 +835,9 @@ void Channel::Impl::ConnFailed(const std::shared_ptr<Conn>& conn, const Status& 
 
 void Channel::Impl::FailCallsOn(const std::shared_ptr<Conn>* conn, const Status& status, bool include_queued) {
   std::vector<Ref> victims;
-  for (auto& [id, call] : sent_)
-    if (conn == nullptr || call->conn == *conn) victims.push_back({call, call->generation});
   for (auto& call : all_calls_)
-    if (call->state == CallState::kBlocked && (conn == nullptr || call->conn == *conn))
+    if ((call->state == CallState::kSent || call->state == CallState::kBlocked) &&
+        (conn == nullptr || call->conn == *conn))
       victims.push_back({call.get(), call->generation});
   if (include_queued)
     for (Ref r : std::exchange(queued_, {}))

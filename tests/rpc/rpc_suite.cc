@@ -461,6 +461,102 @@ TEST_P(RpcSuite, ClientTimerFiresEvenWhenThePeerNeverAnswers) {
   });
 }
 
+// A channel reuses its call slots; a late answer to a call that already ended
+// (its deadline passed) must not complete the next call in the same slot, and
+// no two calls may go out under one id (the server refuses an id in flight).
+// A raw peer plays the server: it answers late, then out of order.
+TEST_P(RpcSuite, ALateAnswerNeverCompletesTheNextCallInTheSameSlot) {
+  Env env(GetParam());
+  auto opts = GetParam().options();
+  auto uri = transport::ParseUri(GetParam().listen_uri);
+  ASSERT_TRUE(uri.ok());
+  std::unique_ptr<transport::Listener> listener;
+  std::promise<std::unique_ptr<transport::Connection>> accepted_p;
+  std::string local = env.OnIo([&] {
+    auto l = ListenOn(env.io().get_executor(), *uri, opts);
+    EXPECT_TRUE(l.ok()) << l.status();
+    listener = std::move(*l);
+    listener->Accept([&](absl::StatusOr<std::unique_ptr<transport::Connection>> c) {
+      EXPECT_TRUE(c.ok()) << c.status();
+      accepted_p.set_value(c.ok() ? std::move(*c) : nullptr);
+    });
+    return listener->local_uri();
+  });
+  auto channel = env.NewChannel(local);
+  TestSvc::Stub stub(channel);
+  // Reads the next request frame the channel sent: its call id.
+  std::unique_ptr<transport::Connection> peer;
+  auto next_request_id = [&]() -> uint64_t {
+    for (;;) {
+      auto bytes = RawReceive(env, peer.get());
+      EXPECT_TRUE(bytes.ok()) << bytes.status();
+      if (!bytes.ok()) return 0;
+      rpc::DecodedFrame f;
+      EXPECT_TRUE(rpc::DecodeFrame(std::as_bytes(std::span<const char>(bytes->data(), bytes->size())), f).ok());
+      if (f.header.type == rpc::FrameType::kRequest) return f.header.call_id;
+    }
+  };
+  auto answer = [&](uint64_t id, const std::string& data) {
+    Payload p;
+    p.set_data(data);
+    rpc::FrameHeader h;
+    h.type = rpc::FrameType::kResponse;
+    h.call_id = id;
+    return RawSend(env, peer.get(), RawFrame(h, p.SerializeAsString()));
+  };
+
+  // Call 1 times out unanswered.
+  ClientContext ctx1;
+  ctx1.set_timeout(milliseconds(300));
+  Pending<Payload> first;
+  env.OnIo([&] {
+    stub.async_Echo(ctx1, Payload(), first.token());
+    return 0;
+  });
+  auto accepted_f = accepted_p.get_future();
+  peer = Get(accepted_f);
+  ASSERT_NE(peer, nullptr);
+  const uint64_t id1 = next_request_id();
+  EXPECT_EQ(ToStatusCode(std::get<0>(Get(first.future))), StatusCode::kDeadlineExceeded);
+
+  // Calls 2 and 3 start; one of them takes call 1's slot.
+  ClientContext ctx2, ctx3;
+  Pending<Payload> second, third;
+  env.OnIo([&] {
+    stub.async_Echo(ctx2, Payload(), second.token());
+    stub.async_Echo(ctx3, Payload(), third.token());
+    return 0;
+  });
+  const uint64_t id2 = next_request_id();
+  const uint64_t id3 = next_request_id();
+  EXPECT_NE(id2, id1);
+  EXPECT_NE(id3, id1);
+  EXPECT_NE(id2, id3);
+
+  // The late answer to call 1, then the answers to 3 and 2, out of order.
+  ASSERT_TRUE(answer(id1, "late").ok());
+  ASSERT_TRUE(answer(id3, "three").ok());
+  ASSERT_TRUE(answer(id2, "two").ok());
+  auto [ec3, r3] = Get(third.future);
+  auto [ec2, r2] = Get(second.future);
+  EXPECT_FALSE(ec2) << ec2.message();
+  EXPECT_FALSE(ec3) << ec3.message();
+  EXPECT_EQ(r2.data(), "two");
+  EXPECT_EQ(r3.data(), "three");
+  EXPECT_EQ(env.OnIo([&] { return channel->stats().late_responses; }), 1u);
+  env.OnIo([&] {
+    channel->Close();
+    peer->Close();
+    listener->Close();
+    return 0;
+  });
+  env.OnIo([&] {
+    peer.reset();
+    listener.reset();
+    return 0;
+  });
+}
+
 TEST_P(RpcSuite, CancellationSlotAbortsTheCallAndTellsTheServer) {
   Env env(GetParam());
   auto channel = env.NewChannel(env.StartServer());
