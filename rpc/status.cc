@@ -37,17 +37,22 @@ std::string_view StatusCodeName(StatusCode code) noexcept {
   return i <= kMaxStatusCode ? kNames[i] : std::string_view("UNKNOWN_CODE");
 }
 
+const std::string& Status::EmptyMessage() noexcept {
+  static const std::string empty;
+  return empty;
+}
+
 std::string Status::ToString() const {
   if (ok()) return "OK";
   std::string out(StatusCodeName(code_));
   out += ": ";
-  out += message_;
+  out += message();
   return out;
 }
 
 absl::Status Status::ToAbsl() const {
   // The numbering is the same by construction (both are the canonical codes).
-  return absl::Status(static_cast<absl::StatusCode>(code_), message_);
+  return absl::Status(static_cast<absl::StatusCode>(code_), message());
 }
 
 Status Status::FromAbsl(const absl::Status& status) {

@@ -48,6 +48,30 @@ TEST(Status, RoundTripsThroughAbsl) {
   EXPECT_EQ(Status::FromAbsl(absl::DeadlineExceededError("late")).code(), StatusCode::kDeadlineExceeded);
 }
 
+// Status keeps its message behind a pointer (cheap moves on the call path):
+// copies are deep and independent, a moved-to status has the message, and
+// one without a message reads as empty.
+TEST(Status, CopiesAreIndependentAndMovesKeepTheMessage) {
+  Status a = UnavailableError("connection to rdma://x:1 lost: peer closed");
+  Status b = a;
+  EXPECT_EQ(b, a);
+  EXPECT_NE(&b.message(), &a.message());
+  b = InternalError("other");
+  EXPECT_EQ(a.message(), "connection to rdma://x:1 lost: peer closed");
+  EXPECT_EQ(a.code(), StatusCode::kUnavailable);
+  Status c = std::move(a);
+  EXPECT_EQ(c.message(), "connection to rdma://x:1 lost: peer closed");
+  Status d;
+  d = c;
+  d = d;  // self-assignment keeps it
+  EXPECT_EQ(d.ToString(), "UNAVAILABLE: connection to rdma://x:1 lost: peer closed");
+  EXPECT_EQ(Status().message(), "");
+  EXPECT_EQ(Status(StatusCode::kAborted, "").message(), "");
+  EXPECT_EQ(Status(StatusCode::kAborted, ""), Status(StatusCode::kAborted, ""));
+  EXPECT_FALSE(Status(StatusCode::kAborted, "x") == Status(StatusCode::kAborted, "y"));
+  EXPECT_LE(sizeof(Status), 2 * sizeof(void*));
+}
+
 TEST(Status, ErrorCategoryWorksForBoostAndStdErrorCodes) {
   boost::system::error_code ec = StatusCode::kUnavailable;  // is_error_code_enum
   EXPECT_EQ(ec.category(), rpc_category());
