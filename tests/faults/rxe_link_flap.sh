@@ -6,13 +6,14 @@
 # Two VMs (tools/rxe-vm --hosts 2), rping servers on both. Round `quiet`: a's link goes down for
 # 8 s with no RDMA traffic. Round `busy`: the same while an rping connection runs from a to b
 # (its QP dies during the outage and rdma_cm sends a DREQ with the link down). After link up,
-# a and b each try fresh rping connections (8 s each, every 10 s for 60 s), then a deletes and
-# flush their neighbour tables and try again, then a deletes and re-adds its rxe link and
-# tries once more.
+# a and b each try fresh rping connections (8 s each, every 10 s, until one connects or
+# RXE_FLAP_PROBE_S seconds, default 60, have passed), then both flush their neighbour tables and
+# try again, then a deletes and re-adds its rxe link and tries once more.
 #
-#   rxe_link_flap.sh path/to/tools/rxe-vm [quiet|busy]...     (host side)
+#   [RXE_FLAP_PROBE_S=600] rxe_link_flap.sh path/to/tools/rxe-vm [quiet|busy]...   (host side)
 #   rxe_link_flap.sh --side ROUND a|b                         (inside the VMs)
 set -uo pipefail
+probe_s=${RXE_FLAP_PROBE_S:-60}
 
 if [ "${1:-}" != --side ]; then
   rxe_vm=${1:?usage: rxe_link_flap.sh path/to/tools/rxe-vm [quiet|busy]...}
@@ -20,7 +21,7 @@ if [ "${1:-}" != --side ]; then
   self=$(cd "$(dirname "$0")" && pwd)/$(basename "$0")
   for round in "${@:-quiet busy}"; do
     for r in $round; do
-      "$rxe_vm" --hosts 2 --timeout 300 --a "bash $(printf %q "$self") --side $r a" \
+      "$rxe_vm" --hosts 2 --timeout $((probe_s + 300)) --env RXE_FLAP_PROBE_S="$probe_s" --a "bash $(printf %q "$self") --side $r a" \
         --b "bash $(printf %q "$self") --side $r b" 2>&1 | grep -E '^\[[ab]\] rxe-link-flap'
     done
   done
@@ -38,19 +39,26 @@ try_rping() {  # try_rping LABEL: one fresh rping connection to the peer, 8 s at
   return $rc
 }
 
+# Fresh rpings to the peer until one connects or probe_s seconds after link up have passed.
+probe_after_link_up() {
+  local t_up
+  t_up=$(date +%s)
+  while :; do
+    try_rping "+$(($(date +%s) - t_up)) s after link up" && return 0
+    [ $(($(date +%s) - t_up)) -ge "$probe_s" ] && { say "no rping connected within ${probe_s} s of link up"; return 1; }
+    sleep 2
+  done
+}
+
 rping -s -P -a "$RXE_VM_SELF_IP" -p $port >/dev/null 2>&1 &
 server=$!
 touch "$ctl/ready-$side"
 if [ "$side" = b ]; then
   wait_flag up 200 || { say "a never brought its link back"; exit 1; }
-  t_up=$(date +%s)
-  for k in 1 2 3 4 5 6; do
-    try_rping "+$(($(date +%s) - t_up)) s after link up" && break
-    sleep 2
-  done
+  probe_after_link_up
   say "neighbour table: $(ip neigh show dev "$nic" | tr '\n' ';')"
   touch "$ctl/b-done"
-  wait_flag a-flushed 120
+  wait_flag a-flushed $((probe_s + 60))
   ip neigh flush dev "$nic"
   try_rping "after flushing both neighbour tables"
   touch "$ctl/b-flushed"
@@ -69,12 +77,8 @@ ip link set dev "$nic" down
 sleep 8
 ip link set dev "$nic" up
 touch "$ctl/up"
-t_up=$(date +%s)
-for k in 1 2 3 4 5 6; do
-  try_rping "+$(($(date +%s) - t_up)) s after link up" && break
-  sleep 2
-done
-wait_flag b-done 120
+probe_after_link_up
+wait_flag b-done $((probe_s + 60))
 say "neighbour table: $(ip neigh show dev "$nic" | tr '\n' ';')"
 ip neigh flush dev "$nic"
 touch "$ctl/a-flushed"
