@@ -5,7 +5,10 @@
 #
 # Two VMs (tools/rxe-vm --hosts 2), rping servers on both. Round `quiet`: a's link goes down for
 # 8 s with no RDMA traffic. Round `busy`: the same while an rping connection runs from a to b
-# (its QP dies during the outage and rdma_cm sends a DREQ with the link down). After link up,
+# (its QP dies during the outage and rdma_cm sends a DREQ with the link down). Round `busykill`:
+# as busy, but at link up every process that held the dead connection exits (a's rping client;
+# the rping servers on both sides are restarted), so no cm_id of it stays alive; `killclient`:
+# only a's client exits; `killserver`: only the servers restart. After link up,
 # a and b each try fresh rping connections (8 s each, every 10 s, until one connects or
 # RXE_FLAP_PROBE_S seconds, default 60, have passed), then both flush their neighbour tables and
 # try again, then a deletes and re-adds its rxe link and tries once more.
@@ -50,11 +53,20 @@ probe_after_link_up() {
   done
 }
 
+restart_server() {
+  kill -9 $server 2>/dev/null
+  wait $server 2>/dev/null
+  rping -s -P -a "$RXE_VM_SELF_IP" -p $port >/dev/null 2>&1 &
+  server=$!
+  say "rping server restarted"
+}
+
 rping -s -P -a "$RXE_VM_SELF_IP" -p $port >/dev/null 2>&1 &
 server=$!
 touch "$ctl/ready-$side"
 if [ "$side" = b ]; then
   wait_flag up 200 || { say "a never brought its link back"; exit 1; }
+  case $round in busykill | killserver) restart_server ;; esac
   probe_after_link_up
   say "neighbour table: $(ip neigh show dev "$nic" | tr '\n' ';')"
   touch "$ctl/b-done"
@@ -69,13 +81,20 @@ fi
 wait_flag ready-b 100 || { say "b never started"; exit 1; }
 sleep 1
 try_rping "before the flap" || exit 1
-if [ "$round" = busy ]; then
+if [ "$round" != quiet ]; then
   rping -c -a "$RXE_VM_PEER_IP" -p $port -C 100000000 >/dev/null 2>&1 &
+  busy=$!
   sleep 3
 fi
 ip link set dev "$nic" down
 sleep 8
 ip link set dev "$nic" up
+case $round in busykill | killclient)
+  kill -9 $busy 2>/dev/null
+  wait $busy 2>/dev/null
+  say "busy rping client killed" ;;
+esac
+case $round in busykill | killserver) restart_server ;; esac
 touch "$ctl/up"
 probe_after_link_up
 wait_flag b-done $((probe_s + 60))
