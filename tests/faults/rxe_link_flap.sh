@@ -8,7 +8,9 @@
 # (its QP dies during the outage and rdma_cm sends a DREQ with the link down). Round `busykill`:
 # as busy, but at link up every process that held the dead connection exits (a's rping client;
 # the rping servers on both sides are restarted), so no cm_id of it stays alive; `killclient`:
-# only a's client exits; `killserver`: only the servers restart. After link up,
+# only a's client exits; `killserver`: only the servers restart; `killserver-a`, `killserver-b`:
+# only that side's server restarts; `killserver-b-down`: b's server restarts while a's link is
+# still down (its dead connection is destroyed before a DREQ can reach a). After link up,
 # a and b each try fresh rping connections (8 s each, every 10 s, until one connects or
 # RXE_FLAP_PROBE_S seconds, default 60, have passed), then both flush their neighbour tables and
 # try again, then a deletes and re-adds its rxe link and tries once more.
@@ -65,8 +67,13 @@ rping -s -P -a "$RXE_VM_SELF_IP" -p $port >/dev/null 2>&1 &
 server=$!
 touch "$ctl/ready-$side"
 if [ "$side" = b ]; then
+  if [ "$round" = killserver-b-down ]; then
+    wait_flag down 200 || { say "a never took its link down"; exit 1; }
+    sleep 2
+    restart_server
+  fi
   wait_flag up 200 || { say "a never brought its link back"; exit 1; }
-  case $round in busykill | killserver) restart_server ;; esac
+  case $round in busykill | killserver | killserver-b) restart_server ;; esac
   probe_after_link_up
   say "neighbour table: $(ip neigh show dev "$nic" | tr '\n' ';')"
   touch "$ctl/b-done"
@@ -87,6 +94,7 @@ if [ "$round" != quiet ]; then
   sleep 3
 fi
 ip link set dev "$nic" down
+touch "$ctl/down"
 sleep 8
 ip link set dev "$nic" up
 case $round in busykill | killclient)
@@ -94,7 +102,7 @@ case $round in busykill | killclient)
   wait $busy 2>/dev/null
   say "busy rping client killed" ;;
 esac
-case $round in busykill | killserver) restart_server ;; esac
+case $round in busykill | killserver | killserver-a) restart_server ;; esac
 touch "$ctl/up"
 probe_after_link_up
 wait_flag b-done $((probe_s + 60))
