@@ -29,6 +29,7 @@
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
 #include "bench/perftest.h"
 #include "transport/rdma/rdma_transport.h"
@@ -429,11 +430,13 @@ int main(int argc, char** argv) {
     std::string lat_ratio = "-", bw_ratio = "-";
     for (const auto& c : ceiling)
       if (c.size == r.size && r.name == "rdma") {
-        if (c.p50 > 0) lat_ratio = absl::StrCat(absl::SixDigits(r.p50 / c.p50), "x");
-        if (c.gbps > 0) bw_ratio = absl::StrCat(absl::SixDigits(r.gbps / c.gbps), "x");
+        if (c.p50 > 0 && r.p50 > 0) lat_ratio = absl::StrCat(absl::SixDigits(r.p50 / c.p50), "x");
+        if (c.gbps > 0 && r.gbps > 0) bw_ratio = absl::StrCat(absl::SixDigits(r.gbps / c.gbps), "x");
       }
-    std::printf("| %s | %zu | %.1f | %.1f | %.3f | %s | %s |\n", r.name.c_str(), r.size, r.p50, r.p99, r.gbps,
-                lat_ratio.c_str(), bw_ratio.c_str());
+    // A phase left out by --phases (or with nothing measured) shows "-", not 0.
+    auto num = [](double v, int digits) { return v > 0 ? absl::StrFormat("%.*f", digits, v) : std::string("-"); };
+    std::printf("| %s | %zu | %s | %s | %s | %s | %s |\n", r.name.c_str(), r.size, num(r.p50, 1).c_str(),
+                num(r.p99, 1).c_str(), num(r.gbps, 3).c_str(), lat_ratio.c_str(), bw_ratio.c_str());
   };
   for (const auto& r : rows) print(r);
   for (const auto& r : ceiling) print(r);
