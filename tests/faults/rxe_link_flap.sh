@@ -15,13 +15,14 @@
 # RXE_FLAP_PROBE_S seconds, default 60, have passed), then both flush their neighbour tables and
 # try again, then a deletes and re-adds its rxe link and tries once more.
 #
-#   [RXE_FLAP_PROBE_S=600] rxe_link_flap.sh path/to/tools/rxe-vm [quiet|busy]...   (host side)
+#   [RXE_FLAP_PROBE_S=600] rxe_link_flap.sh path/to/tools/rxe-vm [ROUND]...   (host side;
+#       ROUND: quiet busy busykill killclient killserver killserver-a killserver-b killserver-b-down)
 #   rxe_link_flap.sh --side ROUND a|b                         (inside the VMs)
 set -uo pipefail
 probe_s=${RXE_FLAP_PROBE_S:-60}
 
 if [ "${1:-}" != --side ]; then
-  rxe_vm=${1:?usage: rxe_link_flap.sh path/to/tools/rxe-vm [quiet|busy]...}
+  rxe_vm=${1:?usage: rxe_link_flap.sh path/to/tools/rxe-vm [ROUND]... (see the header)}
   shift
   self=$(cd "$(dirname "$0")" && pwd)/$(basename "$0")
   for round in "${@:-quiet busy}"; do
@@ -55,16 +56,18 @@ probe_after_link_up() {
   done
 }
 
+start_server() {
+  rping -s -P -a "$RXE_VM_SELF_IP" -p $port >/dev/null 2>&1 &
+  server=$!
+}
 restart_server() {
   kill -9 $server 2>/dev/null
   wait $server 2>/dev/null
-  rping -s -P -a "$RXE_VM_SELF_IP" -p $port >/dev/null 2>&1 &
-  server=$!
+  start_server
   say "rping server restarted"
 }
 
-rping -s -P -a "$RXE_VM_SELF_IP" -p $port >/dev/null 2>&1 &
-server=$!
+start_server
 touch "$ctl/ready-$side"
 if [ "$side" = b ]; then
   if [ "$round" = killserver-b-down ]; then
