@@ -8,17 +8,26 @@
 set -uo pipefail
 bench=$1
 transports=$2
-port=$((20000 + RANDOM % 20000))
 out=$(mktemp -d)
 trap 'kill $spid 2>/dev/null; rm -rf "$out"' EXIT
 
-"$bench" --role=server --ip=127.0.0.1 --port=$port --transport="$transports" >"$out/server.log" 2>&1 &
-spid=$!
-for _ in $(seq 100); do
+# A random port below Linux's ephemeral range (32768+), so no outgoing
+# connection of a test running beside this one holds it; a server that still
+# exits at once (port taken) is retried on another port, three times at most.
+for attempt in 1 2 3; do
+  port=$((20000 + RANDOM % 12000))
+  "$bench" --role=server --ip=127.0.0.1 --port=$port --transport="$transports" >"$out/server.log" 2>&1 &
+  spid=$!
+  for _ in $(seq 100); do
+    grep -q "server ready" "$out/server.log" && break
+    kill -0 $spid 2>/dev/null || break
+    sleep 0.1
+  done
   grep -q "server ready" "$out/server.log" && break
-  kill -0 $spid 2>/dev/null || { echo "FAIL: server exited:"; cat "$out/server.log"; exit 1; }
-  sleep 0.1
+  kill -0 $spid 2>/dev/null && break  # running but not ready: judged below
+  echo "server exited on port $port (attempt $attempt):"; cat "$out/server.log"
 done
+kill -0 $spid 2>/dev/null || grep -q "server ready" "$out/server.log" || { echo "FAIL: server exited"; exit 1; }
 grep -q "server ready" "$out/server.log" || { echo "FAIL: server not ready in 10 s"; cat "$out/server.log"; exit 1; }
 
 "$bench" --role=client --server=127.0.0.1 --port=$port --transport="$transports" --size=64,4096 --concurrency=1,4 \
