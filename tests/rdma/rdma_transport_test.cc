@@ -513,6 +513,22 @@ std::map<std::string, int> ResourceCounts(const std::string& dev) {
   return counts;
 }
 
+// A connection's QP, CQ and cm_id go on a thread of their own after it is
+// dropped (QpTeardown): counts are read once they stop moving, or once they
+// equal `want`; 10 s at most.
+std::map<std::string, int> SettledCounts(const std::string& dev, const std::map<std::string, int>* want = nullptr) {
+  auto last = ResourceCounts(dev);
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+  while (std::chrono::steady_clock::now() < deadline) {
+    if (want != nullptr && last == *want) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(200));
+    auto now = ResourceCounts(dev);
+    if (want == nullptr && now == last) break;
+    last = std::move(now);
+  }
+  return last;
+}
+
 // max_rendezvous_bytes_held: a peer announcing many large messages to a
 // receiver that does not consume them gets grants for the cap's worth only;
 // the rest wait in order, and a message above the cap passes alone.
@@ -632,7 +648,7 @@ TEST(RdmaTransportTeardown, PeerClosingMidStreamFailsPendingWorkAndFreesEverythi
     warm = {};
     io.run_for(std::chrono::milliseconds(200));
   }
-  const auto baseline = ResourceCounts(ctx->device().name());
+  const auto baseline = SettledCounts(ctx->device().name());
   ASSERT_FALSE(baseline.empty()) << "`rdma res show` lists nothing for " << ctx->device().name();
   {
     asio::io_context io;
@@ -664,7 +680,7 @@ TEST(RdmaTransportTeardown, PeerClosingMidStreamFailsPendingWorkAndFreesEverythi
     p = {};
     io.run_for(std::chrono::milliseconds(200));
   }
-  EXPECT_EQ(ResourceCounts(ctx->device().name()), baseline);
+  EXPECT_EQ(SettledCounts(ctx->device().name(), &baseline), baseline);
 }
 
 TEST(RdmaTransportErrors, ConnectingWithNoListenerIsUnavailable) {

@@ -2,9 +2,11 @@
 
 #include <fcntl.h>
 #include <netdb.h>
+#include <poll.h>
 
 #include <cerrno>
 #include <cstring>
+#include <optional>
 #include <variant>
 
 #include <boost/asio/as_tuple.hpp>
@@ -119,6 +121,12 @@ asio::awaitable<absl::StatusOr<CmEventPtr>> CmChannel::NextEvent() {
   }
 }
 
+void CmChannel::DetachFromReactor() {
+  boost::system::error_code ignored;
+  fd_.cancel(ignored);
+  if (fd_.is_open()) fd_.release();
+}
+
 void CmChannel::Cancel() {
   boost::system::error_code ignored;
   fd_.cancel(ignored);
@@ -187,6 +195,7 @@ absl::Status CmEndpoint::CreateQp(ibv_pd* pd, ibv_qp_init_attr attr) {
 asio::awaitable<absl::Status> CmEndpoint::AwaitEstablished(const char* step) {
   auto ev = co_await NextEventWithin(*channel_, options_.timeout, step);
   if (auto st = Expect(ev, RDMA_CM_EVENT_ESTABLISHED, step); !st.ok()) co_return st;
+  established_ = true;
   const auto& conn = (*ev)->param.conn;
   if (conn.private_data != nullptr && conn.private_data_len > 0 && peer_private_data_.empty())
     peer_private_data_.assign(static_cast<const char*>(conn.private_data), conn.private_data_len);
@@ -228,8 +237,106 @@ absl::Status CmEndpoint::Reject(absl::string_view reason) {
   return absl::OkStatus();
 }
 
+namespace {
+bool EndsConnection(rdma_cm_event_type type) {
+  return type == RDMA_CM_EVENT_DISCONNECTED || type == RDMA_CM_EVENT_TIMEWAIT_EXIT ||
+         type == RDMA_CM_EVENT_DEVICE_REMOVAL;
+}
+
+// Whether the port the id is bound to is ACTIVE. A CM message sent while it is
+// not (Debian 6.1 rxe, netdev down) fails in the driver, and that failure
+// leaves the device's GSI QP sending but never receiving again: every later
+// rdma_cm connection to or from this host times out, for as long as anyone
+// watched (10 minutes; docs/faults.md, "Link down"). So no DREQ goes out on a
+// port that is down.
+bool PortActive(rdma_cm_id* id) {
+  if (id == nullptr || id->verbs == nullptr || id->port_num == 0) return true;  // Unbound: nothing to send.
+  ibv_port_attr attr{};
+  if (ibv_query_port(id->verbs, id->port_num, &attr) != 0) return true;  // Cannot tell: as before.
+  return attr.state == IBV_PORT_ACTIVE;
+}
+}  // namespace
+
+asio::awaitable<absl::StatusOr<CmEventPtr>> CmEndpoint::NextEvent() {
+  auto ev = co_await channel_->NextEvent();
+  if (ev.ok() && EndsConnection((*ev)->event)) finished_ = true;
+  co_return ev;
+}
+
+void CmEndpoint::PrepareTeardown() {
+  Disconnect();  // The DREQ the kernel's CM will retry, unless the port is down.
+  channel_->DetachFromReactor();
+}
+
+void CmEndpoint::AwaitDisconnect() {
+  using Clock = std::chrono::steady_clock;
+  qp_.reset();
+  const auto bound = options_.disconnect_linger;
+  if (!established_ || finished_ || bound.count() <= 0) return;
+  // The id waits for its disconnect to finish. Waiting for the port has no
+  // bound: destroying the id sends the DREQ anyway, and on a down port that
+  // costs every later connection (PortActive). The id is all that waits.
+  const auto t0 = Clock::now();
+  bool must_disconnect = !disconnected_;
+  auto deadline = t0 + bound;
+  std::optional<Clock::time_point> active_since;
+  const char* how = "bound";
+  for (bool done = false; !done;) {
+    rdma_cm_event* raw = nullptr;
+    if (rdma_get_cm_event(channel_->get(), &raw) == 0) {
+      CmEventPtr ev(raw);
+      if (EndsConnection(ev->event)) {
+        how = rdma_event_str(ev->event);
+        done = true;
+      }
+      continue;
+    }
+    if (errno != EAGAIN && errno != EWOULDBLOCK) {
+      how = "event channel error";
+      break;
+    }
+    if (must_disconnect) {
+      // The port must stay ACTIVE for a second first: the address and route
+      // come back with the link, not necessarily before the port does.
+      if (!PortActive(id_.get())) {
+        active_since.reset();
+      } else if (!active_since) {
+        active_since = Clock::now();
+      } else if (Clock::now() - *active_since >= std::chrono::seconds(1)) {
+        disconnected_ = true;
+        rdma_disconnect(id_.get());
+        must_disconnect = false;
+        deadline = Clock::now() + bound;
+        RDMARPC_LOG(kInfo, "rdma", "event=cm_disconnect_sent reason=\"port active again\" waited_ms=",
+                    std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - t0).count());
+      }
+    }
+    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
+    if (!must_disconnect && left.count() <= 0) break;
+    pollfd pfd{channel_->get()->fd, POLLIN, 0};
+    const int64_t step = must_disconnect ? 100 : std::min<int64_t>(left.count(), 1000);
+    if (poll(&pfd, 1, static_cast<int>(step)) < 0 && errno != EINTR) {
+      how = "poll error";
+      break;
+    }
+  }
+  const auto ms = std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - t0).count();
+  RDMARPC_LOG(kInfo, "rdma", "event=cm_id_released after=\"", how, "\" lingered_ms=", ms);
+}
+
 void CmEndpoint::Disconnect() {
   if (disconnected_) return;
+  if (established_ && !finished_ && !PortActive(id_.get())) {
+    // No DREQ on a down port (PortActive). The QP still stops: error state
+    // flushes its work requests, as rdma_disconnect would have. The DREQ
+    // goes when the port is back (AwaitDisconnect), or with the id's destruction.
+    if (qp_) {
+      ibv_qp_attr attr{};
+      attr.qp_state = IBV_QPS_ERR;
+      ibv_modify_qp(qp(), &attr, IBV_QP_STATE);
+    }
+    return;
+  }
   disconnected_ = true;
   rdma_disconnect(id_.get());  // EINVAL when never connected: nothing to undo.
 }

@@ -49,6 +49,14 @@ struct CmOptions {
   uint8_t rnr_retry_count = 0;
   // Upper bound for address + route resolution and for connect/accept.
   std::chrono::milliseconds timeout{5000};
+  // How long a closed connection's cm_id (its QP already gone) waits for the
+  // peer's CM to answer its DREQ (CmEndpoint::AwaitDisconnect), on a thread of
+  // its own. Destroying an id gives up the kernel's DREQ retries, so a DREQ
+  // lost to a link outage would never reach the peer; waiting lets a retry
+  // after link up close the old connection on both sides. 0: destroyed at
+  // once. (What rxe needs is that no DREQ leaves while the local port is down:
+  // see Disconnect. This wait was not shown to be needed on its own.)
+  std::chrono::milliseconds disconnect_linger{120000};
 };
 
 // The event channel fd registered with the reactor. Owns the channel.
@@ -60,6 +68,9 @@ class CmChannel {
   CmChannel& operator=(const CmChannel&) = delete;
 
   rdma_event_channel* get() const { return channel_.get(); }
+  // Takes the fd back from the reactor (it stays open: blocking reads become
+  // the caller's business). Executor only; no wait may be pending after.
+  void DetachFromReactor();
 
   // Next event on this channel; waits in the reactor without blocking the thread.
   asio::awaitable<absl::StatusOr<CmEventPtr>> NextEvent();
@@ -105,11 +116,28 @@ class CmEndpoint {
 
   // Waits for the next event after establishment (DISCONNECTED, DEVICE_REMOVAL,
   // TIMEWAIT_EXIT...). Used by connection owners to notice the peer leaving.
-  asio::awaitable<absl::StatusOr<CmEventPtr>> NextEvent() { return channel_->NextEvent(); }
+  asio::awaitable<absl::StatusOr<CmEventPtr>> NextEvent();
   // Starts a disconnect (idempotent). The QP moves to error, flushing its WRs.
+  // While the local port is not ACTIVE no DREQ is sent (see PortActive in
+  // cm.cc): the QP is moved to error directly and the DREQ waits for
+  // AwaitDisconnect, or for the next Disconnect() call with the port up.
   void Disconnect();
   // Cancels a pending NextEvent.
   void Cancel() { channel_->Cancel(); }
+
+  // Ending an endpoint off the executor. PrepareTeardown (on the executor,
+  // nothing waiting on the endpoint) starts the disconnect (deferred while
+  // the port is down, see Disconnect) and takes the event channel out of the
+  // reactor. Then, blocking, on a thread of the owner's choosing: DestroyQp
+  // (rxe may hold a QP with packets in flight for tens of seconds), and after
+  // the CQ is gone too, AwaitDisconnect: if the connection was up and its end
+  // not yet reported, waits until rdma_cm reports it (DISCONNECTED,
+  // TIMEWAIT_EXIT, DEVICE_REMOVAL) or options.disconnect_linger passes; a
+  // deferred DREQ goes once the port has been ACTIVE for a second, and the
+  // wait for that has no bound. The cm_id and channel go with the endpoint.
+  void PrepareTeardown();
+  void DestroyQp() { qp_.reset(); }
+  void AwaitDisconnect();
 
  private:
   friend class CmListener;
@@ -123,7 +151,9 @@ class CmEndpoint {
   CmQpPtr qp_;
   CmOptions options_;
   std::string peer_private_data_;
-  bool disconnected_ = false;
+  bool disconnected_ = false;  // rdma_disconnect called.
+  bool established_ = false;
+  bool finished_ = false;  // rdma_cm reported the connection's end.
 };
 
 class CmListener {

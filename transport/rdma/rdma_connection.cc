@@ -102,6 +102,17 @@ class RdmaConnectionImpl final : public std::enable_shared_from_this<RdmaConnect
   ~RdmaConnectionImpl() {
     if (poller_) poller_->Stop();
     sink_ready_.clear();  // Messages point at this: back while the members they touch exist
+    poller_.reset();
+    if (ep_) {
+      // QP, CQ and cm_id go on a thread of their own (QpTeardown).
+      ep_->PrepareTeardown();
+      auto held = std::make_unique<QpTeardown>();
+      held->ctx = ctx_;
+      held->channel = std::move(channel_);
+      held->cq = std::move(cq_);
+      held->ep = std::move(ep_);
+      ReleaseOnThread(std::move(held));
+    }
   }
 
   // ---- setup ---------------------------------------------------------------
@@ -1281,10 +1292,42 @@ class RdmaConnectionImpl final : public std::enable_shared_from_this<RdmaConnect
     free_windows_.clear();
     held->channel = std::move(channel_);
     held->cq = std::move(cq_);
+    if (ep_) ep_->PrepareTeardown();
     held->ep = std::move(ep_);
     if (held->ctx) held->ctx->MarkRemoved();
     held->peer = peer_uri_;
-    DeviceHold::Release(std::move(held));
+    ReleaseOnThread(std::move(held));
+  }
+
+  // A connection's end, off the executor: destroying a QP may block for tens
+  // of seconds on rxe (a QP with packets in flight during an outage), and the
+  // cm_id waits for the peer's CM to answer its DREQ, which after a link
+  // outage means waiting for the port (CmEndpoint::AwaitDisconnect). The
+  // QP, then its CQ and channel, then the id; the context (PD) last. Memory
+  // registrations go with the connection: they do not depend on the QP.
+  struct QpTeardown {
+    std::shared_ptr<RdmaContext> ctx;
+    CompChannelPtr channel;
+    CqPtr cq;
+    std::unique_ptr<CmEndpoint> ep;
+    ~QpTeardown() {
+      ep->DestroyQp();
+      cq.reset();
+      channel.reset();
+      ep->AwaitDisconnect();
+    }
+  };
+
+  // Runs `held`'s destructor on a detached thread (inline if no thread can
+  // be had, at the cost of blocking the caller).
+  template <typename T>
+  static void ReleaseOnThread(std::unique_ptr<T> held) {
+    try {
+      std::thread([h = std::move(held)]() mutable { h.reset(); }).detach();
+    } catch (const std::system_error& e) {
+      RDMARPC_LOG(kWarn, "rdma", "event=release_inline reason=\"", e.what(), "\"");
+      if (held) held.reset();
+    }
   }
 
   // What ReleaseDevice takes from the connection, destroyed in member order
@@ -1314,16 +1357,6 @@ class RdmaConnectionImpl final : public std::enable_shared_from_this<RdmaConnect
       const auto ms =
           std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now() - t0).count();
       RDMARPC_LOG(kInfo, "rdma", "event=device_resources_released peer=", peer, " took_ms=", ms);
-    }
-
-    static void Release(std::unique_ptr<DeviceHold> held) {
-      try {
-        std::thread([h = std::move(held)]() mutable { h.reset(); }).detach();
-      } catch (const std::system_error& e) {
-        // No thread to be had: release here, at the cost of blocking the executor.
-        RDMARPC_LOG(kWarn, "rdma", "event=release_inline reason=\"", e.what(), "\"");
-        if (held) held.reset();
-      }
     }
   };
 
