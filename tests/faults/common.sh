@@ -47,6 +47,8 @@ stop_server() {
   kill -TERM "$1"
   for ((i = 0; i < 150; i++)); do kill -0 "$1" 2>/dev/null || break; sleep 0.2; done
   if kill -0 "$1" 2>/dev/null; then
+    echo "the server's threads 30 s after SIGTERM:"
+    ps -L -o tid,stat,wchan:32,comm -p "$1" || true
     kill -KILL "$1"
     fail "the server was still running 30 s after SIGTERM"
   fi
@@ -76,7 +78,8 @@ start_drive() {
 }
 
 # finish_drive: stops the drive started by start_drive and judges it; sets
-# $verdict (its fault-rpc line), $first_failure_ms (unix ms, 0: none) and $ok_streak.
+# $verdict (its fault-rpc line), $first_failure_ms (unix ms, 0: none), $ok_streak and
+# $recovered_ms (unix ms of the first OK after the last failure, 0: none).
 finish_drive() {
   local rc=0
   touch "$RXE_VM_CTL/stop-drive"
@@ -91,4 +94,5 @@ finish_drive() {
   fi
   first_failure_ms=$(sed -n 's/.*first_failure_unix_ms=\([0-9]*\).*/\1/p' <<<"$verdict")
   ok_streak=$(sed -n 's/.*ok_since_last_failure=\([0-9]*\).*/\1/p' <<<"$verdict")
+  recovered_ms=$(sed -n 's/.*recovered_unix_ms=\([0-9]*\).*/\1/p' <<<"$verdict")
 }

@@ -207,6 +207,7 @@ int Drive(const std::map<std::string, std::string>& f) {
   bool failed = false, stopping = false;
   int64_t first_failure_unix_ms = 0;
   uint64_t ok_since_last_failure = 0;
+  int64_t recovered_unix_ms = 0;  // The first OK after the last failure (0: none failed, or none since).
   int in_flight = 0;
   double max_latency_ms = 0, max_over_deadline_ms = -1e9;
   const auto start = Clock::now();
@@ -231,10 +232,14 @@ int Drive(const std::map<std::string, std::string>& f) {
       ++completions[seq];
       ++done;
       --in_flight;
-      if (ec)
+      if (ec) {
         ok_since_last_failure = 0;
-      else
-        ++ok_since_last_failure;
+        recovered_unix_ms = 0;
+      } else if (++ok_since_last_failure == 1 && failed) {
+        recovered_unix_ms = std::chrono::duration_cast<std::chrono::milliseconds>(
+                                std::chrono::system_clock::now().time_since_epoch())
+                                .count();
+      }
       if (ec && !failed) {
         failed = true;
         first_failure_unix_ms = std::chrono::duration_cast<std::chrono::milliseconds>(
@@ -332,13 +337,14 @@ int Drive(const std::map<std::string, std::string>& f) {
   std::printf(
       "fault-rpc: %s calls=%llu seconds=%.1f statuses={%s} completed_never=%llu completed_twice=%llu corrupt=%llu "
       "late=%llu max_latency_ms=%.0f max_past_deadline_ms=%.0f server_handler_runs=%llu server_duplicates=%llu%s "
-      "first_failure_unix_ms=%lld ok_since_last_failure=%llu %s\n",
+      "first_failure_unix_ms=%lld ok_since_last_failure=%llu recovered_unix_ms=%lld %s\n",
       label.c_str(), static_cast<unsigned long long>(next), secs, statuses.c_str(),
       static_cast<unsigned long long>(never), static_cast<unsigned long long>(twice),
       static_cast<unsigned long long>(corrupt), static_cast<unsigned long long>(late), max_latency_ms,
       max_over_deadline_ms, static_cast<unsigned long long>(requests), static_cast<unsigned long long>(duplicates),
       stats_ok ? "" : " (server stats unavailable)", static_cast<long long>(first_failure_unix_ms),
-      static_cast<unsigned long long>(ok_since_last_failure), pass ? "PASS" : "FAIL");
+      static_cast<unsigned long long>(ok_since_last_failure), static_cast<long long>(recovered_unix_ms),
+      pass ? "PASS" : "FAIL");
   return pass ? 0 : 1;
 }
 

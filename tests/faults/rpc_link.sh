@@ -6,10 +6,15 @@
 #   link-long:  down for 8 s: calls fail UNAVAILABLE (no other status), the first within 5 s
 #               of the link going down; after link up the same channel reconnects and at least
 #               20 calls in a row succeed.
-# Both: every call completes exactly once, none past its deadline + 2 s, a's rdma resources
+#   link-keepalive: link-long with keepalive 1 s + 1 s on both ends, so both sides declare the
+#               connection dead while the link is down (the case that left Debian 6.1's rxe
+#               refusing every rdma_cm connection before rdmarpc held DREQs for the port).
+# RPC_LINK_RECOVER_S (default 20): how long calls run after link up before the verdict.
+# All: every call completes exactly once, none past its deadline + 2 s, a's rdma resources
 # back at baseline.
 #
-#   rpc_link.sh path/to/tools/rxe-vm path/to/fault_rpc [SCENARIOS]   (host side: boots the VMs)
+#   rpc_link.sh path/to/tools/rxe-vm path/to/fault_rpc [SCENARIOS]   (host side: boots the VMs;
+#       default: link-short link-long link-keepalive)
 #   rpc_link.sh --side SCENARIO a|b path/to/fault_rpc                 (inside the VMs)
 set -euo pipefail
 bound_ms=5000
@@ -21,9 +26,9 @@ if [ "${1:-}" != --side ]; then
   log=$(mktemp)
   trap 'rm -f "$log"' EXIT
   fails=0
-  for scenario in ${3:-link-short link-long}; do
+  for scenario in ${3:-link-short link-long link-keepalive}; do
     rc=0
-    "$rxe_vm" --hosts 2 --timeout 400 \
+    "$rxe_vm" --hosts 2 --timeout 400 --env RPC_LINK_RECOVER_S="${RPC_LINK_RECOVER_S:-20}" --env RPC_LINK_PCAP="${RPC_LINK_PCAP:-}" \
       --a "bash $(printf %q "$self") --side $scenario a $(printf %q "$fault_rpc")" \
       --b "bash $(printf %q "$self") --side $scenario b $(printf %q "$fault_rpc")" 2>&1 | tee -a "$log" || rc=$?
     [ "$rc" = 0 ] || { echo "faults_rpc_link: $scenario: FAIL (rxe-vm exited $rc)"; fails=$((fails + 1)); continue; }
@@ -40,8 +45,16 @@ fi
 
 scenario=${2:?} side=${3:?} fault_rpc=${4:?}
 ctl=$RXE_VM_CTL nic=$RXE_VM_NETDEV port=7483
+# What each side's rdma_cm did with its connections (b's server log is in the shared directory).
+cm_story() {
+  echo "rpc-link: b's server:"
+  grep -E 'cm_id_released|connection_failed|event=cm |accept' "$ctl/b-server.log" 2>/dev/null | head -n 30 || true
+  echo "rpc-link: a's client:"
+  grep -E 'cm_id_released' "${drive_out:-/dev/null}" 2>/dev/null | head -n 20 || true
+}
 fail() {
   echo "rpc-link: $scenario: FAIL: $*"
+  [ "$side" = a ] && cm_story
   ip link set dev "$nic" up 2>/dev/null || true
   touch "$ctl/done"
   exit 1
@@ -49,8 +62,14 @@ fail() {
 # shellcheck source=common.sh
 . "$(dirname "$0")/common.sh"
 
+keepalive=()
+# RPC_LINK_PCAP=DIR: each side records its rdma_cm MADs (RoCEv2 packets to QP 1) in DIR/SIDE.pcap.
+if [ -n "${RPC_LINK_PCAP:-}" ]; then
+  tcpdump -i "$nic" -nn -U -w "$RPC_LINK_PCAP/$side.pcap" 'udp port 4791 and (udp[12:4] & 0xffffff) = 1' 2>/dev/null &
+fi
+[ "$scenario" = link-keepalive ] && keepalive=(--keepalive-ms=1000,1000)
 if [ "$side" = b ]; then
-  "$fault_rpc" serve --listen="rdma://$RXE_VM_SELF_IP:$port" >"$ctl/b-server.log" 2>&1 &
+  RDMARPC_LOG=info "$fault_rpc" serve --listen="rdma://$RXE_VM_SELF_IP:$port" "${keepalive[@]}" >"$ctl/b-server.log" 2>&1 &
   pid=$!
   wait_listening "$port" "$pid" "$ctl/b-server.log"
   touch "$ctl/ready"
@@ -64,7 +83,7 @@ busybox ping -c 2 -W 2 "$RXE_VM_PEER_IP" >/dev/null || fail "b does not answer p
 wait_for ready 300
 baseline=$(res_counts)
 if [ "$scenario" = link-short ]; then down_s=0.3 expect=ok; else down_s=8 expect=any; fi
-start_drive "$fault_rpc" "rdma://$RXE_VM_PEER_IP:$port" "$scenario" --expect=$expect
+RDMARPC_LOG=info start_drive "$fault_rpc" "rdma://$RXE_VM_PEER_IP:$port" "$scenario" --expect=$expect "${keepalive[@]}"
 sleep 5
 kill -0 $drive 2>/dev/null || { cat "$drive_out"; fail "the drive ended before the link went down"; }
 t0=$(now_ms)
@@ -74,11 +93,15 @@ ip link set dev "$nic" up
 t1=$(now_ms)
 echo "rpc-link: $scenario: link was down for $((t1 - t0)) ms"
 ip -br addr show dev "$nic"; ip route; rdma link show
-sleep 10  # recovery, reconnect, calls on the new connection
+sleep "${RPC_LINK_RECOVER_S:-20}"  # recovery, reconnect, calls on the new connection
 finish_drive
-if [ "$scenario" = link-long ]; then
+cm_story
+if [ "$scenario" != link-short ]; then
   [ -n "$first_failure_ms" ] && [ "$first_failure_ms" != 0 ] || fail "no call failed during an 8 s outage"
-  echo "rpc-link: link-long: first call failed $((first_failure_ms - t0)) ms after the link went down (bound $bound_ms ms); $ok_streak calls OK in a row after link up"
+  recovery="never"
+  [ -n "$recovered_ms" ] && [ "$recovered_ms" != 0 ] && recovery="$((recovered_ms - t1)) ms after link up"
+  echo "rpc-link: $scenario: first call failed $((first_failure_ms - t0)) ms after the link went down (bound $bound_ms ms); calls succeed again $recovery; $ok_streak calls OK in a row since"
+
   [ $((first_failure_ms - t0)) -le $bound_ms ] || fail "the outage was noticed after $((first_failure_ms - t0)) ms, bound $bound_ms ms"
   [ "${ok_streak:-0}" -ge 20 ] || fail "only ${ok_streak:-0} calls succeeded after link up (want >= 20): no reconnect?"
   statuses=$(sed -n 's/.*statuses={\([^}]*\)}.*/\1/p' <<<"$verdict")

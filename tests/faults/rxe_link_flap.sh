@@ -13,10 +13,13 @@
 # still down (its dead connection is destroyed before a DREQ can reach a). After link up,
 # a and b each try fresh rping connections (8 s each, every 10 s, until one connects or
 # RXE_FLAP_PROBE_S seconds, default 60, have passed), then both flush their neighbour tables and
-# try again, then a deletes and re-adds its rxe link and tries once more.
+# try again, then a deletes and re-adds its rxe link and tries once more. Round
+# `quiet-connect-down`: no traffic, but a tries one rping connection while its link is down (its
+# rdma_cm sends a REQ MAD with the link down). Round `killclient-down`: as busy, but a's rping
+# client is killed 1 s into the outage (its rdma_cm sends a DREQ with the link down).
 #
 #   [RXE_FLAP_PROBE_S=600] rxe_link_flap.sh path/to/tools/rxe-vm [ROUND]...   (host side;
-#       ROUND: quiet busy busykill killclient killserver killserver-a killserver-b killserver-b-down)
+#       ROUND: quiet quiet-connect-down busy busykill killclient killclient-down killserver killserver-a killserver-b killserver-b-down)
 #   rxe_link_flap.sh --side ROUND a|b                         (inside the VMs)
 set -uo pipefail
 probe_s=${RXE_FLAP_PROBE_S:-60}
@@ -91,14 +94,27 @@ fi
 wait_flag ready-b 100 || { say "b never started"; exit 1; }
 sleep 1
 try_rping "before the flap" || exit 1
-if [ "$round" != quiet ]; then
+if [ "$round" != quiet ] && [ "$round" != quiet-connect-down ]; then
   rping -c -a "$RXE_VM_PEER_IP" -p $port -C 100000000 >/dev/null 2>&1 &
   busy=$!
   sleep 3
 fi
 ip link set dev "$nic" down
 touch "$ctl/down"
-sleep 8
+if [ "$round" = quiet-connect-down ]; then
+  sleep 1
+  out=$(timeout -s KILL 4 rping -c -v -a "$RXE_VM_PEER_IP" -p $port -C 2 2>&1)
+  say "rping attempted with the link down (rc $?): $(tr '\n' ';' <<<"$out" | cut -c1-200)"
+  sleep 3
+elif [ "$round" = killclient-down ]; then
+  sleep 1
+  kill -9 $busy 2>/dev/null
+  wait $busy 2>/dev/null
+  say "busy rping client killed with the link down"
+  sleep 7
+else
+  sleep 8
+fi
 ip link set dev "$nic" up
 case $round in busykill | killclient)
   kill -9 $busy 2>/dev/null
@@ -114,6 +130,7 @@ ip neigh flush dev "$nic"
 touch "$ctl/a-flushed"
 try_rping "after flushing both neighbour tables"
 wait_flag b-flushed 60
+say "send errors: $(rdma statistic show link rxe0/1 2>/dev/null | grep -o 'send_err [0-9]*')"
 say "GSI QP: $(rdma res show qp | grep GSI | sed 's/.*\(state [A-Z]*\) \(sq-psn [0-9]*\).*/\1 \2/')"
 kill -9 $server $(jobs -p) 2>/dev/null; sleep 1
 rdma link delete rxe0 && rdma link add rxe0 type rxe netdev "$nic" && sleep 3
