@@ -53,10 +53,11 @@ using Clock = std::chrono::steady_clock;
 [[noreturn]] void Usage(const std::string& why) {
   std::fprintf(stderr,
                "fault_rpc: %s\nusage: fault_rpc serve --listen=URI [--keepalive-ms=INTERVAL,TIMEOUT] [--grant-windows=0|1]\n"
+               "                       [--ack-timeout=N]\n"
                "       fault_rpc drive --target=URI --calls=N [--concurrency=C] [--sizes=LIST] [--deadline-ms=D]\n"
                "                       [--bound-ms=B] [--label=TEXT] [--expect=ok|any] [--keepalive-ms=I,T]\n"
                "                       [--stop-on-failure] [--server-gone] [--until-file=PATH]\n"
-               "                       [--grant-windows=0|1]\n",
+               "                       [--grant-windows=0|1] [--ack-timeout=N]\n",
                why.c_str());
   std::exit(2);
 }
@@ -123,6 +124,17 @@ void GrantWindowsFlag(const std::map<std::string, std::string>& f, TransportOpti
   t.rdma.grant_windows = it->second == "1";
 }
 
+// --ack-timeout=N (absent: the library's 14): the RC local ACK timeout
+// exponent, 4.096 us * 2^N per try, 7 tries. 18 gives ~7.5 s before a QP
+// gives up: a link outage of a few seconds then stays inside RC's retry budget.
+void AckTimeoutFlag(const std::map<std::string, std::string>& f, TransportOptions& t) {
+  auto it = f.find("ack-timeout");
+  if (it == f.end()) return;
+  int n = 0;
+  if (!absl::SimpleAtoi(it->second, &n) || n < 1 || n > 31) Usage("--ack-timeout takes an exponent from 1 to 31");
+  t.rdma.cm.ack_timeout = static_cast<uint8_t>(n);
+}
+
 int Serve(const std::map<std::string, std::string>& f) {
   auto it = f.find("listen");
   if (it == f.end()) Usage("serve needs --listen=URI");
@@ -132,6 +144,7 @@ int Serve(const std::map<std::string, std::string>& f) {
   so.listen = {it->second};
   KeepaliveFlag(f, so.keepalive);
   GrantWindowsFlag(f, so.transport);
+  AckTimeoutFlag(f, so.transport);
   auto server = std::make_shared<Server>(io.get_executor(), so);
   if (auto st = server->AddService(service); !st.ok()) {
     std::fprintf(stderr, "fault_rpc: %s\n", st.ToString().c_str());
@@ -184,6 +197,7 @@ int Drive(const std::map<std::string, std::string>& f) {
   ChannelOptions co;
   KeepaliveFlag(f, co.keepalive);
   GrantWindowsFlag(f, co.transport);
+  AckTimeoutFlag(f, co.transport);
   auto channel = Channel::Create(io.get_executor(), target, co);
   if (!channel.ok()) {
     std::fprintf(stderr, "fault_rpc: %s\n", channel.status().ToString().c_str());
