@@ -15,8 +15,8 @@
 # back at baseline.
 #
 #   rpc_link.sh path/to/tools/rxe-vm path/to/fault_rpc [SCENARIOS]   (host side: boots the VMs;
-#       default: link-long link-keepalive; link-short is left out until its failure (docs/faults.md,
-#       "Link down") is understood)
+#       default: link-long link-keepalive; link-short is left out while a short flap sometimes
+#       stops the emulated wire from a to b (docs/faults.md, "Link down"))
 #   rpc_link.sh --side SCENARIO a|b path/to/fault_rpc                 (inside the VMs)
 set -euo pipefail
 bound_ms=5000
