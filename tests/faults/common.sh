@@ -6,6 +6,17 @@ res_counts() { local t; for t in qp cq mr pd; do printf '%s=%s ' "$t" "$(rdma re
 
 now_ms() { date +%s%3N; }
 
+# host_clock_offset_ms: the host's clock minus this guest's, in ms (a file touched through 9p
+# gets the host's time as its mtime). For turning tools/rxe-vm's host timestamps into ours.
+host_clock_offset_ms() {
+  local f=$RXE_VM_CTL/.clock-$$ g h
+  g=$(now_ms)
+  touch "$f"
+  h=$(stat -c %.3Y "$f" | tr -d .)
+  rm -f "$f"
+  echo $((h - g))
+}
+
 # res_settle EXPECTED SECONDS: polls res_counts until it equals EXPECTED or
 # SECONDS pass (teardown finishes on the process's own threads, a moment after
 # the disconnect is logged). Sets $now to the last counts and $settle_ms to

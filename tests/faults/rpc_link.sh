@@ -1,12 +1,19 @@
 #!/usr/bin/env bash
-# faults_rpc_link (issue 8, scenario 2): a's link goes down under load (`ip link set down`),
-# calls of 64 B and 4 KiB (eager SENDs) and 64 KiB and 1 MiB (RDMA WRITEs), 8 in flight, 30 s
-# deadlines, one channel, 25 s of calls before the flap.
-#   link-short: down for 0.3 s (1-3 s under TCG), inside RC's retry budget (raised for this
-#               round to ~7.5 s: ack timeout 18, 7 retries): every call succeeds.
-#   link-long:  down for 8 s: calls fail UNAVAILABLE (no other status), the first within 5 s
-#               of the link going down; after link up the same channel reconnects and at least
-#               20 calls in a row succeed.
+# faults_rpc_link (issue 8, scenario 2): a's link goes down under load, calls of 64 B and 4 KiB
+# (eager SENDs) and 64 KiB and 1 MiB (RDMA WRITEs), 8 in flight, 30 s deadlines, one channel,
+# 25 s of calls before the flap.
+#   link-short: a's wire cut for 0.3 s, timed on the host (tools/rxe-vm drops every frame to and
+#               from a in qemu; no carrier change), inside RC's default retry budget (ACK timeout
+#               14 = 67 ms, 7 retries: ~0.5 s): every call succeeds, and one took >= 250 ms.
+#   cut-long:   the same cut for 8 s, keepalive 1 s + 1 s on both ends: the side with work
+#               requests outstanding fails them after RC's budget (retry exceeded), the side
+#               waiting for answers sends a PING after 1 s of silence and its SEND fails the
+#               same way; calls fail UNAVAILABLE, the first within 5 s; then as link-long.
+#               (With the default keepalive, 10 s + 10 s, a waiting client hears nothing for
+#               the 8 s and its calls just wait: nothing of its own is outstanding.)
+#   link-long:  `ip link set down` on a for 8 s (the port goes DOWN): calls fail UNAVAILABLE (no
+#               other status), the first within 5 s of the link going down; after link up the
+#               same channel reconnects and at least 20 calls in a row succeed.
 #   link-keepalive: link-long with keepalive 1 s + 1 s on both ends, so both sides declare the
 #               connection dead while the link is down (the case that left Debian 6.1's rxe
 #               refusing every rdma_cm connection before rdmarpc held DREQs for the port).
@@ -15,8 +22,7 @@
 # back at baseline.
 #
 #   rpc_link.sh path/to/tools/rxe-vm path/to/fault_rpc [SCENARIOS]   (host side: boots the VMs;
-#       default: link-long link-keepalive; link-short is left out while a short flap sometimes
-#       stops the emulated wire from a to b (docs/faults.md, "Link down"))
+#       default: link-short cut-long link-long link-keepalive)
 #   rpc_link.sh --side SCENARIO a|b path/to/fault_rpc                 (inside the VMs)
 set -euo pipefail
 bound_ms=5000
@@ -28,9 +34,10 @@ if [ "${1:-}" != --side ]; then
   log=$(mktemp)
   trap 'rm -f "$log"' EXIT
   fails=0
-  for scenario in ${3:-link-long link-keepalive}; do
+  for scenario in ${3:-link-short cut-long link-long link-keepalive}; do
     rc=0
     "$rxe_vm" --hosts 2 --timeout 400 --env RPC_LINK_RECOVER_S="${RPC_LINK_RECOVER_S:-20}" --env RPC_LINK_PCAP="${RPC_LINK_PCAP:-}" \
+      --env RPC_LINK_ACK_TIMEOUT="${RPC_LINK_ACK_TIMEOUT:-}" \
       --a "bash $(printf %q "$self") --side $scenario a $(printf %q "$fault_rpc")" \
       --b "bash $(printf %q "$self") --side $scenario b $(printf %q "$fault_rpc")" 2>&1 | tee -a "$log" || rc=$?
     [ "$rc" = 0 ] || { echo "faults_rpc_link: $scenario: FAIL (rxe-vm exited $rc)"; fails=$((fails + 1)); continue; }
@@ -64,19 +71,17 @@ fail() {
 # shellcheck source=common.sh
 . "$(dirname "$0")/common.sh"
 
-keepalive=()
+both_ends=()
 # RPC_LINK_PCAP=DIR: each side records its rdma_cm MADs (RoCEv2 packets to QP 1) in DIR/SIDE.pcap.
 if [ -n "${RPC_LINK_PCAP:-}" ]; then
   tcpdump -i "$nic" -nn -U -w "$RPC_LINK_PCAP/$side.pcap" 'udp port 4791 and (udp[12:4] & 0xffffff) = 1' 2>/dev/null &
 fi
-# Options both ends get ("keepalive" for short).
-[ "$scenario" = link-keepalive ] && keepalive=(--keepalive-ms=1000,1000)
-# link-short: RC's retry budget raised to ~7.5 s on both ends (ACK timeout 2^18 x 4.096 us, 7
-# tries): under TCG `ip link set down; sleep 0.3; ip link set up` takes 1-3 s, past the default
-# ~0.5 s, so with the default budget this would not be a shorter-than-the-budget outage.
-[ "$scenario" = link-short ] && keepalive=(--ack-timeout=18)
+# Options both ends get.
+case $scenario in link-keepalive|cut-long) both_ends=(--keepalive-ms=1000,1000) ;; esac
+# RPC_LINK_ACK_TIMEOUT=N: link-short with another RC ACK timeout on both ends (2^N x 4.096 us).
+[ "$scenario" = link-short ] && [ -n "${RPC_LINK_ACK_TIMEOUT:-}" ] && both_ends=(--ack-timeout="$RPC_LINK_ACK_TIMEOUT")
 if [ "$side" = b ]; then
-  RDMARPC_LOG=info "$fault_rpc" serve --listen="rdma://$RXE_VM_SELF_IP:$port" "${keepalive[@]}" >"$ctl/b-server.log" 2>&1 &
+  RDMARPC_LOG=info "$fault_rpc" serve --listen="rdma://$RXE_VM_SELF_IP:$port" "${both_ends[@]}" >"$ctl/b-server.log" 2>&1 &
   pid=$!
   wait_listening "$port" "$pid" "$ctl/b-server.log"
   touch "$ctl/ready"
@@ -89,22 +94,47 @@ fi
 busybox ping -c 2 -W 2 "$RXE_VM_PEER_IP" >/dev/null || fail "b does not answer pings"
 wait_for ready 300
 baseline=$(res_counts)
-if [ "$scenario" = link-short ]; then down_s=0.3 expect=ok; else down_s=8 expect=any; fi
-RDMARPC_LOG=info start_drive "$fault_rpc" "rdma://$RXE_VM_PEER_IP:$port" "$scenario" --expect=$expect "${keepalive[@]}" \
+case $scenario in
+  link-short) cut_ms=300 expect=ok ;;
+  cut-long) cut_ms=8000 expect=any ;;
+  link-long|link-keepalive) cut_ms='' expect=any ;;
+  *) fail "unknown scenario $scenario" ;;
+esac
+RDMARPC_LOG=info start_drive "$fault_rpc" "rdma://$RXE_VM_PEER_IP:$port" "$scenario" --expect=$expect "${both_ends[@]}" \
   --sizes=64,4096,65536,1048576
 sleep 25  # calls before the flap: >= 1,000 calls a run in all
 kill -0 $drive 2>/dev/null || { cat "$drive_out"; fail "the drive ended before the link went down"; }
 t0=$(now_ms)
-ip link set dev "$nic" down
-sleep "$down_s"
-ip link set dev "$nic" up
-t1=$(now_ms)
-echo "rpc-link: $scenario: link was down for $((t1 - t0)) ms"
+if [ -n "$cut_ms" ]; then
+  # The wire cut from the host for exactly cut_ms (tools/rxe-vm: a qemu filter drops every
+  # frame to and from a; the guests' NICs see no carrier change).
+  echo "$cut_ms" >"$ctl/cut-a.req"
+  mv "$ctl/cut-a.req" "$ctl/cut-a"
+  wait_for cut-a.done 30
+  cut=$(cat "$ctl/cut-a.done")
+  case $cut in down_unix_ms=*) ;; *) fail "the host could not cut the wire: $cut" ;; esac
+  down=${cut#down_unix_ms=}; down=${down%% *}; up=${cut##*up_unix_ms=}
+  # The outage on our clock (calls' times are ours).
+  offset=$(host_clock_offset_ms)
+  t0=$((down - offset)) t1=$((up - offset))
+  echo "rpc-link: $scenario: a's wire was cut for $((up - down)) ms (host clock; ours is $((-offset)) ms ahead)"
+else
+  ip link set dev "$nic" down
+  sleep 8
+  ip link set dev "$nic" up
+  t1=$(now_ms)
+  echo "rpc-link: $scenario: link was down for $((t1 - t0)) ms"
+fi
 ip -br addr show dev "$nic"; ip route; rdma link show
 sleep "${RPC_LINK_RECOVER_S:-20}"  # recovery, reconnect, calls on the new connection
 finish_drive
 cm_story
-if [ "$scenario" != link-short ]; then
+if [ "$scenario" = link-short ]; then
+  # The cut must have held calls up (else it cut nothing and this round proved nothing).
+  max_latency=$(sed -n 's/.*max_latency_ms=\([0-9]*\).*/\1/p' <<<"$verdict")
+  echo "rpc-link: $scenario: slowest call ${max_latency:-?} ms (the wire was cut for $((up - down)) ms)"
+  [ "${max_latency:-0}" -ge 250 ] || fail "no call took >= 250 ms: the cut did not reach the calls"
+else
   [ -n "$first_failure_ms" ] && [ "$first_failure_ms" != 0 ] || fail "no call failed during an 8 s outage"
   recovery="never"
   [ -n "$recovered_ms" ] && [ "$recovered_ms" != 0 ] && recovery="$((recovered_ms - t1)) ms after link up"
