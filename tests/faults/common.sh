@@ -88,6 +88,14 @@ start_drive() {
   drive=$!
 }
 
+# calls_at_least VERDICT MIN: the fault-rpc verdict line issued >= MIN calls (issue 8: every
+# scenario runs at least 1,000), or fail.
+calls_at_least() {
+  local n
+  n=$(sed -n 's/.* calls=\([0-9]*\) .*/\1/p' <<<"$1")
+  [ "${n:-0}" -ge "$2" ] || fail "only ${n:-0} calls were issued (want >= $2)"
+}
+
 # finish_drive: stops the drive started by start_drive and judges it; sets
 # $verdict (its fault-rpc line), $first_failure_ms (unix ms, 0: none), $ok_streak and
 # $recovered_ms (unix ms of the first OK after the last failure, 0: none).

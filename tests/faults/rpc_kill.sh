@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # faults_rpc_kill (issue 8, scenarios 3 and 5): a process is killed with SIGKILL under load,
-# between two VMs. Calls are 64 KiB and 1 MiB (rendezvous: most of the time is spent in RDMA
-# WRITEs), 8 in flight, 30 s deadlines.
+# between two VMs. Calls of 64 B and 4 KiB (eager SENDs) and 64 KiB and 1 MiB (rendezvous: most
+# of the time is spent in RDMA WRITEs) in turn, 8 in flight, 30 s deadlines, 30 s of calls before
+# the kill (>= 1,000 calls a run).
 #   server-killed: b's server is killed mid-run and restarted 3 s later while a keeps calling
 #                  on one channel. Every call issued completes exactly once and none past its
 #                  deadline + 2 s; the first failure comes within 5 s of the kill; after the
@@ -95,8 +96,8 @@ fi
 # side a
 wait_for ready 300
 baseline=$(res_counts)
-start_drive "$fault_rpc" "rdma://$RXE_VM_PEER_IP:$port" "$scenario" --expect=any
-sleep 5
+start_drive "$fault_rpc" "rdma://$RXE_VM_PEER_IP:$port" "$scenario" --expect=any --sizes=64,4096,65536,1048576
+sleep 30
 kill -0 $drive 2>/dev/null || { cat "$drive_out"; fail "the drive ended before the kill"; }
 if [ "$scenario" = client-killed ]; then
   kill -KILL $drive
@@ -111,6 +112,7 @@ touch "$ctl/kill-server"
 wait_for server-back 120
 sleep 8  # the channel reconnects on the next call; let calls run on the new server
 finish_drive
+calls_at_least "$verdict" 1000
 first=$first_failure_ms streak=$ok_streak
 [ -n "$first" ] && [ "$first" != 0 ] || fail "no call failed although the server was killed"
 echo "rpc-kill: server-killed: first call failed $((first - t0)) ms after the kill request (bound $bound_ms ms); $streak calls OK in a row after the restart"

@@ -135,6 +135,7 @@ fi
 ip -br addr show dev "$nic"; ip route; rdma link show
 sleep "${RPC_LINK_RECOVER_S:-20}"  # recovery, reconnect, calls on the new connection
 finish_drive
+calls_at_least "$verdict" 1000
 cm_story
 if [ "$scenario" = link-short ]; then
   echo "rpc-link: $scenario: slowest call $(sed -n 's/.*max_latency_ms=\([0-9]*\).*/\1/p' <<<"$verdict") ms"

@@ -94,7 +94,7 @@ out=$(mktemp)
   --sizes=64,4096,65536,262144 --label="$scenario" --expect=any --keepalive-ms=$keepalive \
   --stop-on-failure --server-gone >"$out" 2>&1 &
 drive=$!
-sleep 5
+sleep 30  # >= 1,000 calls before the power-off
 kill -0 $drive 2>/dev/null || { cat "$out"; fail "the drive ended before the power-off"; }
 if [ "$scenario" = client-dies ]; then
   echo "rpc-poweroff: client-dies: pulling our own plug with calls in flight"
@@ -109,6 +109,7 @@ grep -v '^rdmarpc level=' "$out" || true
 line=$(grep '^fault-rpc: ' "$out" || true)
 [ -n "$line" ] || fail "no verdict from fault_rpc (exit $rc)"
 [ "$rc" = 0 ] || fail "fault_rpc judged the run failed"
+calls_at_least "$line" 1000
 first=$(sed -n 's/.*first_failure_unix_ms=\([0-9]*\).*/\1/p' <<<"$line")
 [ -n "$first" ] && [ "$first" != 0 ] || fail "no call failed after the server's power-off"
 echo "rpc-poweroff: server-dies: first call failed $((first - t0)) ms after the power-off request (bound $bound_ms ms)"
