@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # faults_rpc_link (issue 8, scenario 2): a's link goes down under load, calls of 64 B and 4 KiB
 # (eager SENDs) and 64 KiB and 1 MiB (RDMA WRITEs), 8 in flight, 30 s deadlines, one channel,
-# 25 s of calls before the flap.
+# 35 s of calls before the flap (>= 1,000 calls a round, checked).
 #   link-short: a's wire cut for 0.3 s, timed on the host (tools/rxe-vm drops every frame to and
 #               from a in qemu; no carrier change), inside RC's retry budget (ACK timeout 14 =
 #               67 ms, 7 retries: ~0.5 s on hardware; unbounded on rxe) and keepalive's: every
@@ -107,7 +107,7 @@ case $scenario in
 esac
 RDMARPC_LOG=info start_drive "$fault_rpc" "rdma://$RXE_VM_PEER_IP:$port" "$scenario" --expect=$expect "${both_ends[@]}" \
   --sizes=64,4096,65536,1048576
-sleep 25  # calls before the flap: >= 1,000 calls a run in all
+sleep 35  # calls before the flap: >= 1,000 calls a round (calls_at_least)
 kill -0 $drive 2>/dev/null || { cat "$drive_out"; fail "the drive ended before the link went down"; }
 t0=$(now_ms)
 if [ -n "$cut_ms" ]; then
