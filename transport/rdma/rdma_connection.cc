@@ -1156,10 +1156,11 @@ class RdmaConnectionImpl final : public std::enable_shared_from_this<RdmaConnect
   // The batch's completions, run at once (this is a CQ event handler, not the
   // call that started the operations), after the batch's bookkeeping: a
   // handler that sends, receives or closes sees a consistent connection.
-  // Kept alive meanwhile: a handler may drop the last outside reference.
+  // Kept alive meanwhile (a handler may drop the last outside reference) by
+  // the poller's sink, OnCompletions' only caller, which holds a reference
+  // for the whole batch.
   void FlushCompletions() {
     if (done_sends_.empty() && done_receives_.empty() && sink_ready_.empty() && untracked_done_ == 0) return;
-    auto self = shared_from_this();
     while (!done_sends_.empty()) {
       SendHandler h = std::move(done_sends_.front());
       done_sends_.pop_front();

@@ -36,6 +36,7 @@
 #include "transport/common/fifo.h"
 #include "transport/common/little_endian.h"
 #include "transport/completion.h"
+#include "transport/handler_memory.h"
 #include "transport/uri.h"
 
 namespace rdmarpc::transport::tcp {
@@ -187,9 +188,11 @@ class OpAllocator {
   OpMemory* memory_;
 };
 
+// Our own handlers only (transport::Lean: no executor association, so Asio
+// completes them without a second executor).
 template <typename Handler>
 auto WithMemory(OpMemory& memory, Handler&& handler) {
-  return asio::bind_allocator(OpAllocator<void>(&memory), std::forward<Handler>(handler));
+  return transport::Lean(OpAllocator<void>(&memory), std::forward<Handler>(handler));
 }
 
 // ---- pooled buffers ------------------------------------------------------------
