@@ -702,6 +702,64 @@ TEST_P(TransportConformance, SinkThatClosesTheConnectionHearsNothingMore) {
   EXPECT_TRUE(sink.errors.empty()) << "OnConnectionError after the consumer's own Close(): " << sink.errors[0];
 }
 
+// A sink may keep the Messages it is given while later ones arrive, and give
+// them back in any order: none changes under it. (The TCP backend lends a
+// sink small frames straight out of its read buffer; a buffer a kept message
+// points into must not be read into or compacted over. Bursts put several
+// frames, and frames split across reads, into one buffer; kept messages pin
+// more buffers than the backend lends before it copies instead.)
+TEST_P(TransportConformance, SinkMayKeepMessagesWhileLaterOnesArrive) {
+  auto pair = ConnectPair();
+  ASSERT_TRUE(pair.ok()) << pair.status();
+  Connection& client = *pair->client;
+  Connection& server = *pair->server;
+  struct KeepingSink final : transport::MessageSink {
+    std::vector<Message> kept;
+    std::vector<uint64_t> index;  // kept[i] is message index[i]
+    std::vector<absl::Status> errors;
+    uint64_t next = 0;
+    void OnMessage(Message message) override {
+      kept.push_back(std::move(message));
+      index.push_back(next++);
+    }
+    void OnConnectionError(absl::Status status) override { errors.push_back(std::move(status)); }
+  } sink;
+  ASSERT_TRUE(server.SetSink(&sink)) << "backend has no MessageSink";
+  auto size_of = [](uint64_t i) { return size_t{1} + static_cast<size_t>(i * 1009 % 7000); };
+  auto check_kept = [&](const char* when) {
+    for (size_t k = 0; k < sink.kept.size(); ++k) {
+      if (sink.kept[k].size() == 0) continue;  // given back (every size here is >= 1)
+      ASSERT_EQ(CheckPayload(sink.kept[k].data(), 95, sink.index[k], size_of(sink.index[k])), "")
+          << "kept message " << sink.index[k] << " " << when;
+    }
+  };
+  constexpr int kBurst = 16;
+  uint64_t sent = 0;
+  for (int round = 0; round < 4; ++round) {
+    // A burst, then one message at a time.
+    for (int i = 0; i < kBurst; ++i, ++sent) {
+      std::vector<std::byte> bytes = Payload(95, sent, size_of(sent));
+      client.async_send(std::span<const std::byte>(bytes), [](absl::Status st) { EXPECT_TRUE(st.ok()) << st; });
+    }
+    ASSERT_TRUE(RunUntil([&] { return sink.next == sent; })) << sink.next << " of " << sent << " arrived";
+    for (int i = 0; i < 4; ++i, ++sent) {
+      ASSERT_TRUE(SendAndWait(client, Payload(95, sent, size_of(sent))).ok());
+      ASSERT_TRUE(RunUntil([&] { return sink.next == sent + 1; })) << "message " << sent;
+    }
+    check_kept("while later ones arrived");
+    // Give back two of every three of this round's, keep the rest.
+    for (size_t k = 0; k < sink.kept.size(); ++k)
+      if (sink.index[k] + kBurst + 4 >= sent && sink.index[k] % 3 != 0) sink.kept[k].Reset();
+  }
+  check_kept("after the last round");
+  // Back in a scrambled order; the connection still delivers.
+  for (size_t k = 0; k < sink.kept.size(); ++k) sink.kept[(k * 7) % sink.kept.size()].Reset();
+  ASSERT_TRUE(SendAndWait(client, Payload(95, sent, 300)).ok());
+  ASSERT_TRUE(RunUntil([&] { return sink.next == sent + 1; }));
+  EXPECT_EQ(CheckPayload(sink.kept.back().data(), 95, sent, 300), "");
+  EXPECT_TRUE(sink.errors.empty());
+}
+
 // ---- 4. receive cancellation ------------------------------------------------------------
 
 TEST_P(TransportConformance, CancelledReceiveCompletesCancelledAndLosesNothing) {
