@@ -169,9 +169,9 @@ class Channel::Impl : public std::enable_shared_from_this<Impl> {
   void OnSendDone(const std::shared_ptr<Conn>& conn, const absl::Status& st);
   // Through the sink: requests sent with SendUntracked() completed.
   void OnSendsCompleted(const std::shared_ptr<Conn>& conn, size_t count);
-  // What OnSendsCompleted() would do: only wake calls and streams waiting for
-  // send space (ReceiveSink asks first, and skips it when there are none).
-  static bool SendsCompletedChangeNothing(const Conn& conn) {
+  // OnSendsCompleted() only wakes calls and streams waiting for send space:
+  // with none, ReceiveSink need not call it (true: nothing left to do).
+  static bool SendsCompletedWithoutOwner(Conn& conn, size_t) {
     return conn.blocked.empty() && conn.stream_waiters.empty();
   }
   void OpenStream(ClientContext& ctx, const MethodInfo& method, const MessageLite* request, std::string bytes,

@@ -29,13 +29,14 @@ class ReceiveSink final : public transport::MessageSink {
     Forward(absl::StatusOr<transport::Message>(std::move(status)));
   }
   // The owner's SendUntracked() sends: owner->OnSendsCompleted(conn, count).
-  // An owner with a static SendsCompletedChangeNothing(const Conn&) is asked
-  // first, without the two weak_ptr locks (~70 instructions a completion
-  // batch): the sink is the connection's (Conn::sink, declared before
-  // Conn::c), so while the transport calls it the Conn is alive.
+  // An owner with a static SendsCompletedWithoutOwner(Conn&, count) gets
+  // them there first, without the two weak_ptr locks (~70 instructions a
+  // completion batch), and says whether that was all: the sink is the
+  // connection's (Conn::sink, declared before Conn::c), so while the
+  // transport calls it the Conn is alive.
   void OnSendsCompleted(size_t count) override {
-    if constexpr (requires { Owner::SendsCompletedChangeNothing(*raw_conn_); }) {
-      if (Owner::SendsCompletedChangeNothing(*raw_conn_)) return;
+    if constexpr (requires { Owner::SendsCompletedWithoutOwner(*raw_conn_, count); }) {
+      if (Owner::SendsCompletedWithoutOwner(*raw_conn_, count)) return;
     }
     std::shared_ptr<Owner> owner = owner_.lock();
     std::shared_ptr<Conn> conn = conn_.lock();
@@ -51,7 +52,7 @@ class ReceiveSink final : public transport::MessageSink {
 
   std::weak_ptr<Owner> owner_;
   std::weak_ptr<Conn> conn_;
-  const Conn* raw_conn_;  // OnSendsCompleted's check only
+  Conn* raw_conn_;  // OnSendsCompleted's owner-free path only
 };
 
 // Installs a ReceiveSink on conn->c, kept in conn->sink; false when the

@@ -111,6 +111,9 @@ class Server::Impl : public std::enable_shared_from_this<Impl> {
     // connection closes only at zero: closing cancels queued sends, and the
     // last responses were lost that way (seen over RDMA in CI).
     size_t sends_in_flight = 0;
+    // Set by Shutdown(): send completions go through OnSendsCompleted, which
+    // closes the connection once drained.
+    bool draining = false;
     // Open streams by call id (their handler may have returned while the
     // last messages wait for credits), and those waiting for send space.
     absl::flat_hash_map<uint64_t, std::shared_ptr<ServerStream>> streams;
@@ -166,6 +169,14 @@ class Server::Impl : public std::enable_shared_from_this<Impl> {
   void OnSendDone(const std::shared_ptr<Conn>& conn, const absl::Status& st);
   // Through the sink: `count` responses sent with SendUntracked() completed.
   void OnSendsCompleted(const std::shared_ptr<Conn>& conn, size_t count);
+  // The common case of OnSendsCompleted() without the server: count them,
+  // and nothing else when no response or stream waits for send space and the
+  // connection is not draining (true: done; ReceiveSink calls it first).
+  static bool SendsCompletedWithoutOwner(Conn& conn, size_t count) {
+    if (conn.draining || !conn.pending.empty() || !conn.stream_waiters.empty()) return false;
+    conn.sends_in_flight -= count;
+    return true;
+  }
   void OnStreamFrame(const std::shared_ptr<Conn>& conn, const rpc::DecodedFrame& f);
   void SendControl(const std::shared_ptr<Conn>& conn, rpc::FrameType type, bool close_after);
   void CloseConn(const std::shared_ptr<Conn>& conn, const Status& why);
@@ -888,7 +899,10 @@ void Server::Impl::Shutdown(std::chrono::milliseconds grace, asio::any_completio
     RDMARPC_LOG(kInfo, "server", "event=shutdown connections=", conns_.size(), " calls_in_flight=",
                 stats_.calls_in_flight);
     for (auto& l : listeners_) l->Close();
-    for (auto conn : std::vector(conns_)) SendControl(conn, rpc::FrameType::kGoaway, true);
+    for (auto conn : std::vector(conns_)) {
+      conn->draining = true;
+      SendControl(conn, rpc::FrameType::kGoaway, true);
+    }
     grace_timer_.expires_after(grace);
     grace_timer_.async_wait([self = shared_from_this()](boost::system::error_code ec) {
       if (ec) return;

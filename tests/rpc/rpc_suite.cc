@@ -902,6 +902,56 @@ TEST_P(RpcSuite, ShutdownClosesAConnectionThatNeverDrainsAfterTheGracePeriod) {
   });
 }
 
+// A client that ignores GOAWAY (stays connected, a raw connection here)
+// still lets a graceful shutdown finish once its last response has been
+// sent: the server closes the drained connection itself on that send's
+// completion, long before the grace period ends.
+TEST_P(RpcSuite, ShutdownClosesADrainedConnectionWhoseClientStaysConnected) {
+  Env env(GetParam());
+  auto uri = env.StartServer();
+  auto raw = RawConnect(env, uri, GetParam().options());
+  ASSERT_NE(raw, nullptr);
+  SleepRequest req;
+  req.set_ms(300);
+  rpc::FrameHeader h;
+  h.type = rpc::FrameType::kRequest;
+  h.method_id = TestSvc::kSleepId;
+  h.call_id = 1;
+  ASSERT_TRUE(RawSend(env, raw.get(), RawFrame(h, req.SerializeAsString())).ok());
+  for (int i = 0; i < 3000 && env.service.sleeps_started == 0; ++i) std::this_thread::sleep_for(milliseconds(5));
+  ASSERT_EQ(env.service.sleeps_started, 1);
+  auto shut = std::make_shared<std::promise<void>>();  // outlives a failed wait
+  auto sf = shut->get_future();
+  env.OnIo([&] {
+    env.server().async_shutdown(std::chrono::minutes(10), [shut] { shut->set_value(); });
+    return 0;
+  });
+  // Drained ~0.3 s from now. Not waiting longer than 6 s: the server's
+  // keepalive would close this client, which answers no PING, after ~12 s.
+  ASSERT_EQ(sf.wait_for(std::chrono::seconds(6)), std::future_status::ready)
+      << "shutdown went on after the last response was sent: the drained connection was not closed";
+  EXPECT_EQ(env.service.sleeps_finished, 1);
+  // What the client got before the close: the GOAWAY and its answer, OK.
+  bool answered = false;
+  for (int i = 0; i < 2 && !answered; ++i) {
+    auto frame = RawReceive(env, raw.get());
+    ASSERT_TRUE(frame.ok()) << frame.status();
+    rpc::DecodedFrame f;
+    ASSERT_TRUE(rpc::DecodeFrame(std::as_bytes(std::span<const char>(frame->data(), frame->size())), f).ok());
+    if (f.header.type == rpc::FrameType::kResponse) {
+      EXPECT_EQ(f.header.call_id, 1u);
+      EXPECT_EQ(f.header.status, StatusCode::kOk);
+      answered = true;
+    }
+  }
+  EXPECT_TRUE(answered) << "the call's response never reached the client";
+  env.OnIo([&] {
+    raw->Close();
+    raw.reset();
+    return 0;
+  });
+}
+
 // A program that shuts its server down and closes its channel must see its
 // io_context run out of work: nothing rdmarpc parked (worker coroutines,
 // pollers, CM channels, timers) may keep run() from returning.
