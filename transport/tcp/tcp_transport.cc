@@ -280,7 +280,7 @@ class BufferPool final : public BufferOwner {
 
 // The connection's read buffers. A small frame delivered to a sink is lent
 // straight out of the buffer it was read into (no copy into a pooled buffer,
-// no pool bookkeeping: ~250 instructions a call over both ends,
+// no pool bookkeeping: ~210 instructions a call over both ends,
 // bench/cpu_per_call); the Message pins its buffer. Reading goes on after
 // the bytes it holds; when a partial frame would be moved to the front of a
 // pinned buffer, reading moves to another buffer instead, and the pinned one
