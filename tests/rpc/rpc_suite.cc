@@ -292,6 +292,17 @@ std::string RawFrame(rpc::FrameHeader h, const std::string& payload) {
   return out;
 }
 
+// One REQUEST frame for `method_id`, `call_id` on a raw connection.
+absl::Status RawRequest(Env& env, transport::Connection* c, uint32_t method_id, uint64_t call_id,
+                        const std::string& payload, uint64_t timeout_us = 0) {
+  rpc::FrameHeader h;
+  h.type = rpc::FrameType::kRequest;
+  h.method_id = method_id;
+  h.call_id = call_id;
+  h.timeout_us = timeout_us;
+  return RawSend(env, c, RawFrame(h, payload));
+}
+
 // Starts a Sleep of a minute and returns once the server's handler runs it.
 void StartLongSleep(Env& env, TestSvc::Stub& stub, ClientContext& ctx, Pending<Empty>& pending) {
   SleepRequest req;
@@ -394,12 +405,7 @@ TEST_P(RpcSuite, CancelFrameSaysWhetherTheClientsDeadlinePassed) {
   SleepRequest req;
   req.set_ms(60'000);
   for (uint64_t id : {1, 2}) {
-    rpc::FrameHeader h;
-    h.type = rpc::FrameType::kRequest;
-    h.method_id = TestSvc::kSleepId;
-    h.call_id = id;
-    h.timeout_us = 60'000'000;
-    ASSERT_TRUE(RawSend(env, raw.get(), RawFrame(h, req.SerializeAsString())).ok());
+    ASSERT_TRUE(RawRequest(env, raw.get(), TestSvc::kSleepId, id, req.SerializeAsString(), 60'000'000).ok());
     for (int i = 0; i < 3000 && env.service.sleeps_started < static_cast<int>(id); ++i)
       std::this_thread::sleep_for(milliseconds(5));
     ASSERT_EQ(env.service.sleeps_started, static_cast<int>(id));
@@ -876,11 +882,7 @@ TEST_P(RpcSuite, ShutdownClosesAConnectionThatNeverDrainsAfterTheGracePeriod) {
   const std::string body = big.SerializeAsString();
   constexpr int kRequests = 48;  // 48 MiB of responses: more than any socket buffer or credit window
   for (int i = 0; i < kRequests; ++i) {
-    rpc::FrameHeader h;
-    h.type = rpc::FrameType::kRequest;
-    h.method_id = TestSvc::kEchoId;
-    h.call_id = static_cast<uint64_t>(i + 1);
-    ASSERT_TRUE(RawSend(env, deaf.get(), RawFrame(h, body)).ok());
+    ASSERT_TRUE(RawRequest(env, deaf.get(), TestSvc::kEchoId, static_cast<uint64_t>(i + 1), body).ok());
   }
   // The server has answered what it could; the rest waits on the deaf client.
   std::this_thread::sleep_for(milliseconds(300));
@@ -913,11 +915,7 @@ TEST_P(RpcSuite, ShutdownClosesADrainedConnectionWhoseClientStaysConnected) {
   ASSERT_NE(raw, nullptr);
   SleepRequest req;
   req.set_ms(300);
-  rpc::FrameHeader h;
-  h.type = rpc::FrameType::kRequest;
-  h.method_id = TestSvc::kSleepId;
-  h.call_id = 1;
-  ASSERT_TRUE(RawSend(env, raw.get(), RawFrame(h, req.SerializeAsString())).ok());
+  ASSERT_TRUE(RawRequest(env, raw.get(), TestSvc::kSleepId, 1, req.SerializeAsString()).ok());
   for (int i = 0; i < 3000 && env.service.sleeps_started == 0; ++i) std::this_thread::sleep_for(milliseconds(5));
   ASSERT_EQ(env.service.sleeps_started, 1);
   auto shut = std::make_shared<std::promise<void>>();  // outlives a failed wait
