@@ -6,6 +6,26 @@ res_counts() { local t; for t in qp cq mr pd; do printf '%s=%s ' "$t" "$(rdma re
 
 now_ms() { date +%s%3N; }
 
+# wire_check: for a fault script's fail() on a side whose wire should work again (no cut, link
+# up, no netem left): does the peer still answer pings? Five pings, 8 s. If none is answered the
+# emulated wire itself has stalled (docs/faults.md, "The wire"): rdmarpc cannot stop the kernel
+# answering ARP and ICMP, so the failure says nothing about it. Then the reason goes to
+# $RXE_VM_CTL/wire-dead-<this vm>, which tools/rxe-vm reports as a harness fault (exit 123, run
+# again from a fresh boot). Returns 1 when the wire is dead.
+wire_check() {
+  local out neigh
+  if out=$(busybox ping -c 5 -W 3 "$RXE_VM_PEER_IP" 2>&1); then
+    echo "wire check: $RXE_VM_PEER_IP answers pings ($(grep -m1 'packets' <<<"$out"))"
+    return 0
+  fi
+  neigh=$(ip neigh show "$RXE_VM_PEER_IP" 2>/dev/null | head -n 1 || true)
+  neigh=${neigh%% }
+  echo "vm $RXE_VM_HOST cannot ping $RXE_VM_PEER_IP ($(grep -m1 'packets' <<<"$out" || echo no reply); neighbour: ${neigh:-none})" \
+    | tee "$RXE_VM_CTL/wire-dead-$RXE_VM_HOST.tmp"
+  mv "$RXE_VM_CTL/wire-dead-$RXE_VM_HOST.tmp" "$RXE_VM_CTL/wire-dead-$RXE_VM_HOST"
+  return 1
+}
+
 # host_clock_offset_ms: the host's clock minus this guest's, in ms (a file touched through 9p
 # gets the host's time as its mtime). For turning tools/rxe-vm's host timestamps into ours.
 host_clock_offset_ms() {

@@ -70,6 +70,8 @@ fail() {
   echo "rpc-link: $scenario: FAIL: $*"
   [ "$side" = a ] && cm_story
   ip link set dev "$nic" up 2>/dev/null || true
+  # The peer waits for done: pings tell a stalled emulated wire from an rdmarpc failure.
+  wire_check || true
   touch "$ctl/done"
   exit 1
 }

@@ -50,6 +50,10 @@ fail() {
     echo "rpc-netem: the server's log ends:"
     tail -n 20 "$ctl/b-server.log"
   fi
+  # The peer waits for rpc-netem-done: with netem gone, pings tell a stalled emulated wire from
+  # an rdmarpc failure.
+  [ "$side" = a ] && { tc qdisc del dev "$nic" root 2>/dev/null || true; }
+  wire_check || true
   touch "$ctl/rpc-netem-done"   # releases b
   exit 1
 }
