@@ -508,9 +508,10 @@ class ConnectionCore final : public std::enable_shared_from_this<ConnectionCore>
 
   // Reads go through a per-connection buffer: one read_some usually brings a
   // whole small frame (often several), where reading the length and then the
-  // body would cost two syscalls per message. Small frames are copied out of
-  // it into a pooled buffer; a frame larger than the buffer has only its first
-  // bytes copied and the rest read straight into its own buffer.
+  // body would cost two syscalls per message. A small frame goes to a sink
+  // lent from that buffer (ReadBuffers pins it), otherwise it is copied into a
+  // pooled buffer; a frame larger than the buffer has only its first bytes
+  // copied and the rest read straight into its own buffer.
   void ReadLoop() {
     reading_ = true;
     for (;;) {
@@ -532,7 +533,7 @@ class ConnectionCore final : public std::enable_shared_from_this<ConnectionCore>
       if (kHeaderBytes + size > kReadBuffer) return ReadLarge(size);
       if (avail < kHeaderBytes + size) break;
       Message message;
-      if (size > 0 && sink_ != nullptr && ready_.empty() && reads_.MayLend()) {
+      if (size > 0 && SinkTakesNow() && reads_.MayLend()) {
         // Straight to the sink (Deliver), lent from the read buffer.
         message = Message(std::span<const std::byte>(rbuf_ + rpos_ + kHeaderBytes, size), &reads_, reads_.Pin());
       } else if (size > 0) {
@@ -629,10 +630,15 @@ class ConnectionCore final : public std::enable_shared_from_this<ConnectionCore>
     }
   }
 
+  // Whether Deliver() hands the next message to the sink at once. The read
+  // loop lends a frame from its read buffer only then: a lent message parked
+  // in ready_ would keep the buffer pinned for as long as it waits.
+  bool SinkTakesNow() const { return sink_ != nullptr && ready_.empty(); }
+
   void Deliver(Message message) {
     messages_received_.fetch_add(1, std::memory_order_relaxed);
     bytes_received_.fetch_add(message.size(), std::memory_order_relaxed);
-    if (sink_ != nullptr && ready_.empty()) {
+    if (SinkTakesNow()) {
       // Only ever from the read handler or DrainToSink, never inside a call
       // the consumer made (Receive() is refused once a sink is set).
       sink_->OnMessage(std::move(message));
