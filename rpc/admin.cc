@@ -242,6 +242,8 @@ constexpr StatField kStatFields[] = {
     {"bytes_received", &transport::ConnectionStats::bytes_received, false, "Message bytes received."},
     {"wr_posted", &transport::ConnectionStats::wr_posted, false, "RDMA work requests posted (0 for tcp)."},
     {"wr_completed", &transport::ConnectionStats::wr_completed, false, "RDMA work requests completed."},
+    {"send_doorbells", &transport::ConnectionStats::send_doorbells, false,
+     "RDMA send queue doorbells (ibv_post_send calls; SENDs posted in one completion batch share one)."},
     {"eager_bytes", &transport::ConnectionStats::eager_bytes, false, "Bytes sent eagerly (SEND)."},
     {"rendezvous_bytes", &transport::ConnectionStats::rendezvous_bytes, false, "Bytes sent by rendezvous (RDMA WRITE)."},
     {"credits_available", &transport::ConnectionStats::credits_available, true, "SENDs that may be posted now."},

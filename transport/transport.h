@@ -114,6 +114,9 @@ struct ConnectionStats {
   // RDMA only (zero elsewhere).
   uint64_t wr_posted = 0;
   uint64_t wr_completed = 0;
+  // ibv_post_send calls, each one doorbell (one system call on Soft-RoCE):
+  // the SENDs posted while a completion batch is handled share one.
+  uint64_t send_doorbells = 0;
   uint64_t eager_bytes = 0;
   uint64_t rendezvous_bytes = 0;
   uint64_t credits_available = 0;    // SENDs we may post now.

@@ -4,6 +4,7 @@
 #include <sys/mman.h>
 
 #include <algorithm>
+#include <cassert>
 #include <cstring>
 #include <deque>
 #include <map>
@@ -656,6 +657,54 @@ class RdmaConnectionImpl final : public std::enable_shared_from_this<RdmaConnect
     return absl::OkStatus();
   }
 
+  // Doorbell batching. While a completion batch is handled (OnCompletions),
+  // the SENDs it posts (the responses and next requests its handlers send,
+  // credit frames) are collected and posted at its end as one chain: one
+  // ibv_post_send, on a NIC one doorbell, on Soft-RoCE one system call, for
+  // the batch instead of one per message. RECVs still go at once (no
+  // doorbell on the receive queue of a NIC or of rxe, and a SEND may carry
+  // credits for them). Any other post (WRITEs, binds, invalidations) rings
+  // first, so the SQ keeps the order in which operations were taken.
+  static constexpr int kHeldWrs = 32;
+  struct HeldPosts {
+    HeldPosts() {  // What every held WR shares is written once; the rest per post.
+      for (int i = 0; i < kHeldWrs; ++i) {
+        send_wr[i].opcode = IBV_WR_SEND;
+        send_wr[i].sg_list = send_sge[i];
+      }
+    }
+    int sends = 0;
+    ibv_send_wr send_wr[kHeldWrs] = {};
+    ibv_sge send_sge[kHeldWrs][2] = {};
+  };
+  class DoorbellHold {
+   public:
+    explicit DoorbellHold(RdmaConnectionImpl& c) : c_(c) { ++c_.doorbell_hold_; }
+    ~DoorbellHold() {
+      if (--c_.doorbell_hold_ == 0 && c_.held_.sends != 0)
+        if (auto st = c_.RingDoorbells(); !st.ok()) c_.Fail(st);
+    }
+    DoorbellHold(const DoorbellHold&) = delete;
+    DoorbellHold& operator=(const DoorbellHold&) = delete;
+
+   private:
+    RdmaConnectionImpl& c_;
+  };
+
+  // Posts what is held. Fail() rings before it fails anything; after a
+  // failure (or once the QP is gone) nothing is held.
+  absl::Status RingDoorbells() {
+    const int sends = std::exchange(held_.sends, 0);
+    if (sends == 0 || !error_.ok() || !ep_ || ep_->qp() == nullptr) return absl::OkStatus();
+    for (int i = 0; i + 1 < sends; ++i) held_.send_wr[i].next = &held_.send_wr[i + 1];
+    held_.send_wr[sends - 1].next = nullptr;  // (`next` is rewritten at every ring)
+    ibv_send_wr* bad = nullptr;
+    if (int rc = ibv_post_send(ep_->qp(), held_.send_wr, &bad); rc != 0)
+      return ErrnoStatus(rc, absl::StrCat("ibv_post_send(SEND, ", sends, " chained)"));
+    ++stats_.send_doorbells;
+    return absl::OkStatus();
+  }
+
   // ---- send path -------------------------------------------------------------
 
   // Posts one SEND of `slot` (header already there) covering `bytes`.
@@ -667,14 +716,30 @@ class RdmaConnectionImpl final : public std::enable_shared_from_this<RdmaConnect
   // Posts one signalled SEND, accounted to `slot`, of `n` SGEs holding `bytes`
   // in all (inline when they fit).
   absl::Status PostSendSges(uint32_t slot, ibv_sge* sges, int n, size_t bytes) {
-    ibv_send_wr wr{};
-    wr.wr_id = MakeWrId(kWrSend, 1, slot);
-    wr.sg_list = sges;
-    wr.num_sge = n;
-    wr.opcode = IBV_WR_SEND;
-    wr.send_flags = IBV_SEND_SIGNALED | (bytes <= max_inline_ ? IBV_SEND_INLINE : 0);
-    ibv_send_wr* bad = nullptr;
-    if (int rc = ibv_post_send(ep_->qp(), &wr, &bad); rc != 0) return ErrnoStatus(rc, "ibv_post_send(SEND)");
+    const uint64_t wr_id = MakeWrId(kWrSend, 1, slot);
+    const unsigned flags = IBV_SEND_SIGNALED | (bytes <= max_inline_ ? IBV_SEND_INLINE : 0);
+    if (doorbell_hold_ > 0) {
+      assert(n >= 1 && n <= 2);
+      if (held_.sends == kHeldWrs)
+        if (auto st = RingDoorbells(); !st.ok()) return st;
+      const int i = held_.sends++;
+      held_.send_sge[i][0] = sges[0];
+      if (n == 2) held_.send_sge[i][1] = sges[1];
+      ibv_send_wr& wr = held_.send_wr[i];  // opcode, sg_list: set once (HeldPosts)
+      wr.wr_id = wr_id;
+      wr.num_sge = n;
+      wr.send_flags = flags;
+    } else {
+      ibv_send_wr wr{};
+      wr.wr_id = wr_id;
+      wr.sg_list = sges;
+      wr.num_sge = n;
+      wr.opcode = IBV_WR_SEND;
+      wr.send_flags = flags;
+      ibv_send_wr* bad = nullptr;
+      if (int rc = ibv_post_send(ep_->qp(), &wr, &bad); rc != 0) return ErrnoStatus(rc, "ibv_post_send(SEND)");
+      ++stats_.send_doorbells;
+    }
     ++sq_used_;
     ++stats_.wr_posted;
     return absl::OkStatus();
@@ -841,9 +906,11 @@ class RdmaConnectionImpl final : public std::enable_shared_from_this<RdmaConnect
       }
       wr.next = last ? nullptr : &wrs[i + 1];
     }
+    if (auto st = RingDoorbells(); !st.ok()) return st;  // Held SENDs were taken first.
     ibv_send_wr* bad = nullptr;
     if (int rc = ibv_post_send(ep_->qp(), wrs.data(), &bad); rc != 0)
       return ErrnoStatus(rc, "ibv_post_send(RDMA WRITE)");
+    ++stats_.send_doorbells;
     sq_used_ += chunks;
     stats_.wr_posted += chunks;
     stats_.rendezvous_bytes += out.size;
@@ -1004,8 +1071,10 @@ class RdmaConnectionImpl final : public std::enable_shared_from_this<RdmaConnect
     bind.bind_mw.bind_info.addr = reinterpret_cast<uint64_t>(in.data);
     bind.bind_mw.bind_info.length = in.size;
     bind.bind_mw.bind_info.mw_access_flags = access::kGrantWindow;
+    if (auto st = RingDoorbells(); !st.ok()) return st;
     ibv_send_wr* bad = nullptr;
     if (int rc = ibv_post_send(ep_->qp(), &bind, &bad); rc != 0) return ErrnoStatus(rc, "ibv_post_send(BIND_MW)");
+    ++stats_.send_doorbells;
     // The provider reads the window's current rkey from ibv_mw to name it in
     // the bind; for type 2 keeping it current is the caller's job.
     in.window->rkey = rkey;
@@ -1024,8 +1093,10 @@ class RdmaConnectionImpl final : public std::enable_shared_from_this<RdmaConnect
     wr.opcode = IBV_WR_LOCAL_INV;
     wr.send_flags = IBV_SEND_SIGNALED;
     wr.invalidate_rkey = it->second.rkey;
+    if (auto st = RingDoorbells(); !st.ok()) return st;
     ibv_send_wr* bad = nullptr;
     if (int rc = ibv_post_send(ep_->qp(), &wr, &bad); rc != 0) return ErrnoStatus(rc, "ibv_post_send(LOCAL_INV)");
+    ++stats_.send_doorbells;
     ++sq_used_;
     ++stats_.wr_posted;
     local_op_ = LocalOp::kInvalidate;
@@ -1146,6 +1217,12 @@ class RdmaConnectionImpl final : public std::enable_shared_from_this<RdmaConnect
         }
       }
     }
+    // Several messages in the batch (or several sends queued): what Pump and
+    // their handlers send shares one doorbell, rung after FlushCompletions.
+    // One message (one call in flight) posts at once, as holding would cost
+    // more than it saves.
+    std::optional<DoorbellHold> hold;
+    if (sink_ready_.size() + done_receives_.size() > 1 || pending_.size() > 1) hold.emplace(*this);
     // Once per batch, after every credit, SQ slot and RECV of the batch is
     // accounted: queued frames go out, and one frame carries all owed credits.
     if (error_.ok()) Pump();
@@ -1182,6 +1259,10 @@ class RdmaConnectionImpl final : public std::enable_shared_from_this<RdmaConnect
   // First error wins; everything pending completes with it, the peer is told.
   void Fail(absl::Status st, bool log = true) {
     if (!error_.ok()) return;
+    // SENDs taken before the failure go on the queue first, as they would
+    // have without doorbell batching (an error frame sent just before a
+    // Close() still has its chance to reach the peer).
+    if (held_.sends > 0) (void)RingDoorbells();
     if (st.ok()) st = absl::InternalError("Fail(OK)");
     error_ = st;
     if (log) RDMARPC_LOG(kWarn, "rdma", "event=connection_failed peer=", peer_uri_, " status=\"", st.ToString(), "\"");
@@ -1449,6 +1530,8 @@ class RdmaConnectionImpl final : public std::enable_shared_from_this<RdmaConnect
     Message message;
   };
   bool in_completions_ = false;
+  int doorbell_hold_ = 0;  // > 0: posts are collected in held_ (DoorbellHold)
+  HeldPosts held_;
   transport::MessageSink* sink_ = nullptr;  // SetSink(): gets every message instead of receivers_
   transport::Fifo<Message> sink_ready_;      // for the sink at the end of this completion batch
   bool sink_drain_posted_ = false;
