@@ -705,6 +705,16 @@ class RdmaConnectionImpl final : public std::enable_shared_from_this<RdmaConnect
     return absl::OkStatus();
   }
 
+  // Posts `wrs` (WRITEs, a bind, an invalidation) at once, after whatever is
+  // held: the SQ keeps the order in which operations were taken.
+  absl::Status PostSendNow(ibv_send_wr* wrs, const char* what) {
+    if (auto st = RingDoorbells(); !st.ok()) return st;
+    ibv_send_wr* bad = nullptr;
+    if (int rc = ibv_post_send(ep_->qp(), wrs, &bad); rc != 0) return ErrnoStatus(rc, what);
+    ++stats_.send_doorbells;
+    return absl::OkStatus();
+  }
+
   // ---- send path -------------------------------------------------------------
 
   // Posts one SEND of `slot` (header already there) covering `bytes`.
@@ -906,11 +916,7 @@ class RdmaConnectionImpl final : public std::enable_shared_from_this<RdmaConnect
       }
       wr.next = last ? nullptr : &wrs[i + 1];
     }
-    if (auto st = RingDoorbells(); !st.ok()) return st;  // Held SENDs were taken first.
-    ibv_send_wr* bad = nullptr;
-    if (int rc = ibv_post_send(ep_->qp(), wrs.data(), &bad); rc != 0)
-      return ErrnoStatus(rc, "ibv_post_send(RDMA WRITE)");
-    ++stats_.send_doorbells;
+    if (auto st = PostSendNow(wrs.data(), "ibv_post_send(RDMA WRITE)"); !st.ok()) return st;
     sq_used_ += chunks;
     stats_.wr_posted += chunks;
     stats_.rendezvous_bytes += out.size;
@@ -1071,10 +1077,7 @@ class RdmaConnectionImpl final : public std::enable_shared_from_this<RdmaConnect
     bind.bind_mw.bind_info.addr = reinterpret_cast<uint64_t>(in.data);
     bind.bind_mw.bind_info.length = in.size;
     bind.bind_mw.bind_info.mw_access_flags = access::kGrantWindow;
-    if (auto st = RingDoorbells(); !st.ok()) return st;
-    ibv_send_wr* bad = nullptr;
-    if (int rc = ibv_post_send(ep_->qp(), &bind, &bad); rc != 0) return ErrnoStatus(rc, "ibv_post_send(BIND_MW)");
-    ++stats_.send_doorbells;
+    if (auto st = PostSendNow(&bind, "ibv_post_send(BIND_MW)"); !st.ok()) return st;
     // The provider reads the window's current rkey from ibv_mw to name it in
     // the bind; for type 2 keeping it current is the caller's job.
     in.window->rkey = rkey;
@@ -1093,10 +1096,7 @@ class RdmaConnectionImpl final : public std::enable_shared_from_this<RdmaConnect
     wr.opcode = IBV_WR_LOCAL_INV;
     wr.send_flags = IBV_SEND_SIGNALED;
     wr.invalidate_rkey = it->second.rkey;
-    if (auto st = RingDoorbells(); !st.ok()) return st;
-    ibv_send_wr* bad = nullptr;
-    if (int rc = ibv_post_send(ep_->qp(), &wr, &bad); rc != 0) return ErrnoStatus(rc, "ibv_post_send(LOCAL_INV)");
-    ++stats_.send_doorbells;
+    if (auto st = PostSendNow(&wr, "ibv_post_send(LOCAL_INV)"); !st.ok()) return st;
     ++sq_used_;
     ++stats_.wr_posted;
     local_op_ = LocalOp::kInvalidate;
