@@ -448,9 +448,14 @@ TEST(RdmaTransportPollers, RunToCompletionPollsOnTheExecutorThreadOnly) {
       ExpectDelivered(io, *p.client, *p.server, size);
       ExpectDelivered(io, *p.server, *p.client, size);
     }
-    // Adaptive: quiet for longer than the spin, the executor sleeps on the
-    // channel; a message must still wake it.
+    // Adaptive: quiet for longer than the spin (adaptive_spin, 50 us), the
+    // executor sleeps on the channel: no spin pass is queued any more (busy
+    // mode always has one). A message must still wake it.
     io.run_for(std::chrono::milliseconds(20));
+    if (mode == PollMode::kAdaptive)
+      EXPECT_EQ(io.poll_one(), 0u) << "adaptive, quiet for 20 ms: the executor must sleep, not spin";
+    else
+      EXPECT_EQ(io.poll_one(), 1u) << "busy: the executor keeps spinning";
     ExpectDelivered(io, *p.client, *p.server, 64);
     EXPECT_TRUE(PollerAffinities().empty());
     p.client->Close();
