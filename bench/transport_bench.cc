@@ -9,6 +9,7 @@
 //                   [--rtc]   (busy/adaptive: run to completion, no poller thread)
 //                   [--grant-windows=1|0]  (rendezvous grants: windows over a pool, or an MR per message)
 //                   [--phases=latency,bandwidth]  (one of them alone: e.g. for strace -c of the ping-pong)
+//                   [--rounds=N]  (all of it N times, perftest in each round; medians, ratios per round)
 //
 // Client and server run in one process on two threads, each with its own
 // io_context, so neither side's processing hides in the other's.
@@ -66,6 +67,9 @@ struct Flags {
   // --phases: which measurements run. Latency alone makes a run whose syscalls
   // and instructions (strace -c, callgrind) are the ping-pong's only.
   bool latency = true, bandwidth = true;
+  // --rounds: the whole measurement (and perftest) this many times, taking
+  // ratios per round (see main).
+  int rounds = 1;
 };
 
 [[noreturn]] void Usage(const std::string& why) {
@@ -73,7 +77,7 @@ struct Flags {
                "transport_bench: %s\nusage: transport_bench [--transport=rdma,tcp] [--sizes=64,4096,...] "
                "[--iters=N] [--window=N] [--poll=event|adaptive|busy] [--device=NAME] [--ip=ADDR] "
                "[--with-perftest] [--phase-ms=MS] [--spin] [--rtc] [--grant-windows=1|0] [--receive] "
-               "[--phases=latency,bandwidth]\n",
+               "[--phases=latency,bandwidth] [--rounds=N]\n",
                why.c_str());
   std::exit(2);
 }
@@ -130,6 +134,8 @@ Flags Parse(int argc, char** argv) {
         else Usage("--phases takes latency,bandwidth (one or both), not '" + std::string(p) + "'");
       }
       if (!f.latency && !f.bandwidth) Usage("--phases needs latency, bandwidth or both");
+    } else if (key == "--rounds") {
+      if (!absl::SimpleAtoi(val, &f.rounds) || f.rounds <= 0 || f.rounds > 100) Usage("--rounds takes 1..100");
     } else if (key == "--with-perftest") {
       f.perftest = true;
     } else if (key == "--help" || key == "-h") {
@@ -180,14 +186,18 @@ struct Server final : rdmarpc::transport::MessageSink {
   }
 };
 
-// The client's sink: the one answer the measuring loop waits for.
+// The client's sink: the one answer the measuring loop waits for. In the
+// latency phase `on_echo` runs the ping-pong from here instead.
 struct ClientSink final : rdmarpc::transport::MessageSink {
   bool got = false;
   size_t size = 0;
   absl::Status status;
+  std::function<void(size_t)> on_echo;
   void OnMessage(Message m) override {
     got = true;
     size = m.size();
+    m.Reset();  // The receive buffer goes back before the next message is sent.
+    if (on_echo) on_echo(size);
   }
   void OnConnectionError(absl::Status st) override {
     got = true;
@@ -239,7 +249,45 @@ absl::Status Measure(const std::string& name, Connection& client, ClientSink* si
     std::vector<double> us;
     const int iters = !f.latency ? 0 : size >= (1 << 20) ? std::max(20, f.iters / 20) : f.iters;
     const auto lat_deadline = Clock::now() + f.phase;
-    for (int i = -std::min(100, iters / 10); i < iters && (i < 10 || i % 64 != 0 || Clock::now() < lat_deadline);
+    const int warmup = std::min(100, iters / 10);
+    if (sink != nullptr && iters > 0) {
+      // The ping-pong runs from the client's sink: the handler that takes
+      // each echo records the round trip and sends the next message, as the
+      // server's sink answers, and as a run-to-completion application would.
+      // Each sample is the time from one Send() to the next, as perftest's
+      // ib_send_lat measures from one post to the next; what the transport
+      // does after the handler returns overlaps the next flight instead of
+      // being counted in it (the loop before 2026-12-05 returned to RunUntil
+      // for every echo: ~2.4 us more per round trip in the Soft-RoCE VM).
+      int i = -warmup;
+      bool done = false;
+      absl::Status st;
+      Clock::time_point t0;
+      auto send_next = [&] {
+        auto buf = client.Prepare(size);
+        if (!buf.ok()) {
+          st = buf.status();
+          return false;
+        }
+        t0 = Clock::now();
+        client.Send(std::move(*buf), [&](absl::Status s) { if (!s.ok()) st = s; });
+        return true;
+      };
+      sink->on_echo = [&](size_t got) {
+        const auto t1 = Clock::now();
+        if (got != size) st = absl::DataLossError("echo size differs");
+        if (i >= 0) us.push_back(std::chrono::duration<double, std::micro>(t1 - t0).count());
+        ++i;
+        const bool more = i < iters && (i < 10 || i % 64 != 0 || t1 < lat_deadline);
+        if (!st.ok() || !more || !send_next()) done = true;
+      };
+      const bool ran = send_next() && RunUntil(io, [&] { return done || !sink->status.ok(); });
+      sink->on_echo = nullptr;
+      if (!sink->status.ok()) return sink->status;
+      if (!st.ok()) return st;
+      if (!ran) return absl::DeadlineExceededError("echo timed out");
+    }
+    for (int i = -warmup; sink == nullptr && i < iters && (i < 10 || i % 64 != 0 || Clock::now() < lat_deadline);
          ++i) {
       auto buf = client.Prepare(size);
       if (!buf.ok()) return buf.status();
@@ -247,19 +295,12 @@ absl::Status Measure(const std::string& name, Connection& client, ClientSink* si
       bool back = false;
       absl::Status st;
       client.Send(std::move(*buf), [&](absl::Status s) { if (!s.ok()) st = s; });
-      if (sink != nullptr) {
-        sink->got = false;
-        if (!RunUntil(io, [&] { return sink->got; })) return absl::DeadlineExceededError("echo timed out");
-        if (!sink->status.ok()) st = sink->status;
-        else if (sink->size != size) st = absl::DataLossError("echo size differs");
-      } else {
-        client.Receive([&](absl::StatusOr<Message> m) {
-          if (!m.ok()) st = m.status();
-          else if (m->size() != size) st = absl::DataLossError("echo size differs");
-          back = true;
-        });
-        if (!RunUntil(io, [&] { return back; })) return absl::DeadlineExceededError("echo timed out");
-      }
+      client.Receive([&](absl::StatusOr<Message> m) {
+        if (!m.ok()) st = m.status();
+        else if (m->size() != size) st = absl::DataLossError("echo size differs");
+        back = true;
+      });
+      if (!RunUntil(io, [&] { return back; })) return absl::DeadlineExceededError("echo timed out");
       if (!st.ok()) return st;
       if (i >= 0) us.push_back(std::chrono::duration<double, std::micro>(Clock::now() - t0).count());
     }
@@ -386,60 +427,127 @@ absl::Status RunTransport(const std::string& name, const Flags& f, std::vector<R
   return st;
 }
 
-}  // namespace
-
-int main(int argc, char** argv) {
-  Flags f = Parse(argc, argv);
-  g_spin = f.spin;
-  std::vector<Row> rows;
-  for (const auto& t : f.transports) {
-    std::fprintf(stderr, "== %s (poll=%s%s%s)\n", t.c_str(), rdmarpc::rdma::PollModeName(f.poll),
-                 f.rtc ? ", run to completion" : "",
-                 t == "rdma" ? (f.grant_windows ? ", grants: windows over a pool" : ", grants: an MR per message") : "");
-    if (auto st = RunTransport(t, f, rows); !st.ok()) {
-      std::fprintf(stderr, "transport_bench: %s: %s\n", t.c_str(), st.ToString().c_str());
-      return 1;
-    }
-  }
-  // perftest ceilings: ib_send_lat reports one-way latency (half the round
-  // trip), so its round trip is 2 x t_typical; ib_write_bw's BW average in MB/s.
+// perftest ceilings: ib_send_lat reports one-way latency (half the round
+// trip), so its round trip is 2 x t_typical; ib_write_bw's BW average in MB/s.
+std::vector<Row> RunPerftest(const Flags& f) {
   std::vector<Row> ceiling;
-  if (f.perftest) {
-    const std::string d = f.device.empty() ? "" : " -d " + f.device;
-    for (size_t size : f.sizes) {
-      Row r{"perftest", size};
+  const std::string d = f.device.empty() ? "" : " -d " + f.device;
+  for (size_t size : f.sizes) {
+    Row r{"perftest", size};
+    const std::string s = " -s " + std::to_string(size) + d;
+    if (f.latency) {
       // Fewer iterations for big messages: under emulation 1 MiB takes ~100 ms.
       const std::string n = size >= 65536 ? " -n 100" : " -n 1000";
-      const std::string s = " -s " + std::to_string(size) + d;
       auto lat = perftest::Measure("ib_send_lat -F" + n + s, "ib_send_lat -F" + n + s + " " + f.ip, size);
       // Columns: #iterations t_min t_max t_typical t_avg t_stdev 99% 99.9%
       if (lat.size() >= 7) {
         r.p50 = 2 * lat[3];
         r.p99 = 2 * lat[6];
       }
+    }
+    if (f.bandwidth) {
       auto bw = perftest::Measure("ib_write_bw -F -n 100" + s, "ib_write_bw -F -n 100" + s + " " + f.ip, size);
       // Columns: #iterations BW_peak BW_average MsgRate (MB/s = 2^20 bytes)
       if (bw.size() >= 3) r.gbps = bw[2] * 1048576.0 * 8 / 1e9;
-      ceiling.push_back(r);
     }
+    ceiling.push_back(r);
+  }
+  return ceiling;
+}
+
+double Median(std::vector<double> v) {
+  v.erase(std::remove_if(v.begin(), v.end(), [](double x) { return !(x > 0); }), v.end());
+  return v.empty() ? 0 : Pct(v, 0.5);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  Flags f = Parse(argc, argv);
+  g_spin = f.spin;
+  // Each round measures every transport, then perftest, with nothing of ours
+  // running meanwhile (a busy poller would take a core from perftest). The
+  // VM's speed drifts by tens of percent within minutes, so the ratios are
+  // taken per round, between neighbours, and their median is printed.
+  std::vector<std::vector<Row>> rounds_rows, rounds_ceiling;
+  for (int round = 1; round <= f.rounds; ++round) {
+    std::vector<Row> rows;
+    for (const auto& t : f.transports) {
+      std::fprintf(stderr, "== %s (poll=%s%s%s)%s\n", t.c_str(), rdmarpc::rdma::PollModeName(f.poll),
+                   f.rtc ? ", run to completion" : "",
+                   t == "rdma" ? (f.grant_windows ? ", grants: windows over a pool" : ", grants: an MR per message") : "",
+                   f.rounds > 1 ? absl::StrCat(" round ", round, " of ", f.rounds).c_str() : "");
+      if (auto st = RunTransport(t, f, rows); !st.ok()) {
+        std::fprintf(stderr, "transport_bench: %s: %s\n", t.c_str(), st.ToString().c_str());
+        return 1;
+      }
+    }
+    rounds_rows.push_back(std::move(rows));
+    rounds_ceiling.push_back(f.perftest ? RunPerftest(f) : std::vector<Row>{});
   }
 
+  // One row per (name, size): medians over the rounds; each ratio is the
+  // median of the rounds' ratios.
+  struct Summary {
+    Row row;
+    std::vector<double> p50, p99, gbps, lat_ratio, bw_ratio;
+  };
+  std::vector<Summary> table;
+  auto summary = [&](const Row& r) -> Summary& {
+    for (auto& s : table)
+      if (s.row.name == r.name && s.row.size == r.size) return s;
+    table.push_back({Row{r.name, r.size}, {}, {}, {}, {}, {}});
+    return table.back();
+  };
+  for (size_t round = 0; round < rounds_rows.size(); ++round) {
+    for (const auto& r : rounds_rows[round]) {
+      Summary& s = summary(r);
+      s.p50.push_back(r.p50);
+      s.p99.push_back(r.p99);
+      s.gbps.push_back(r.gbps);
+      for (const auto& c : rounds_ceiling[round])
+        if (c.size == r.size && r.name == "rdma") {
+          if (c.p50 > 0 && r.p50 > 0) s.lat_ratio.push_back(r.p50 / c.p50);
+          if (c.gbps > 0 && r.gbps > 0) s.bw_ratio.push_back(r.gbps / c.gbps);
+        }
+    }
+  }
+  for (const auto& ceiling : rounds_ceiling)
+    for (const auto& c : ceiling) {
+      Summary& s = summary(c);
+      s.p50.push_back(c.p50);
+      s.p99.push_back(c.p99);
+      s.gbps.push_back(c.gbps);
+    }
+
+  const bool many = f.rounds > 1;
   std::printf("\n| transport | size B | p50 us | p99 us | Gb/s | p50 vs 2x ib_send_lat | Gb/s vs ib_write_bw |\n");
   std::printf("|---|---:|---:|---:|---:|---:|---:|\n");
-  auto print = [&](const Row& r) {
-    std::string lat_ratio = "-", bw_ratio = "-";
-    for (const auto& c : ceiling)
-      if (c.size == r.size && r.name == "rdma") {
-        if (c.p50 > 0 && r.p50 > 0) lat_ratio = absl::StrCat(absl::SixDigits(r.p50 / c.p50), "x");
-        if (c.gbps > 0 && r.gbps > 0) bw_ratio = absl::StrCat(absl::SixDigits(r.gbps / c.gbps), "x");
+  // A phase left out by --phases (or with nothing measured) shows "-", not 0.
+  auto num = [](double v, int digits) { return v > 0 ? absl::StrFormat("%.*f", digits, v) : std::string("-"); };
+  auto ratio = [](double v) { return v > 0 ? absl::StrCat(absl::SixDigits(v), "x") : std::string("-"); };
+  for (const auto& s : table)
+    std::printf("| %s | %zu | %s | %s | %s | %s | %s |\n", s.row.name.c_str(), s.row.size,
+                num(Median(s.p50), 1).c_str(), num(Median(s.p99), 1).c_str(), num(Median(s.gbps), 3).c_str(),
+                ratio(Median(s.lat_ratio)).c_str(), ratio(Median(s.bw_ratio)).c_str());
+  if (many) {
+    std::printf("\n(%d rounds: each cell is the median over the rounds; each ratio the median of the rounds'\n"
+                " ratios, every round's own ratios below)\n",
+                f.rounds);
+    for (const auto& s : table) {
+      if (s.lat_ratio.empty() && s.bw_ratio.empty()) continue;
+      std::string line = absl::StrCat("  ", s.row.name, " ", s.row.size, " B");
+      if (!s.lat_ratio.empty()) {
+        absl::StrAppend(&line, ": p50 vs 2x ib_send_lat");
+        for (double v : s.lat_ratio) absl::StrAppend(&line, absl::StrFormat(" %.2fx", v));
       }
-    // A phase left out by --phases (or with nothing measured) shows "-", not 0.
-    auto num = [](double v, int digits) { return v > 0 ? absl::StrFormat("%.*f", digits, v) : std::string("-"); };
-    std::printf("| %s | %zu | %s | %s | %s | %s | %s |\n", r.name.c_str(), r.size, num(r.p50, 1).c_str(),
-                num(r.p99, 1).c_str(), num(r.gbps, 3).c_str(), lat_ratio.c_str(), bw_ratio.c_str());
-  };
-  for (const auto& r : rows) print(r);
-  for (const auto& r : ceiling) print(r);
+      if (!s.bw_ratio.empty()) {
+        absl::StrAppend(&line, "; Gb/s vs ib_write_bw");
+        for (double v : s.bw_ratio) absl::StrAppend(&line, absl::StrFormat(" %.2fx", v));
+      }
+      std::printf("%s\n", line.c_str());
+    }
+  }
   std::printf("\n(perftest rows: p50/p99 = 2 x ib_send_lat t_typical / 99%%, one-way x 2 = round trip;\n"
               " Gb/s = ib_write_bw BW average. Inside the Soft-RoCE VM only ratios mean anything.)\n");
   return 0;
