@@ -437,7 +437,8 @@ std::vector<Row> RunPerftest(const Flags& f) {
     const std::string s = " -s " + std::to_string(size) + d;
     if (f.latency) {
       // Fewer iterations for big messages: under emulation 1 MiB takes ~100 ms.
-      const std::string n = size >= 65536 ? " -n 100" : " -n 1000";
+      // Small ones get as many samples as our phase takes (~5,000 in 2 s).
+      const std::string n = size >= 65536 ? " -n 100" : size > 4096 ? " -n 1000" : " -n 5000";
       auto lat = perftest::Measure("ib_send_lat -F" + n + s, "ib_send_lat -F" + n + s + " " + f.ip, size);
       // Columns: #iterations t_min t_max t_typical t_avg t_stdev 99% 99.9%
       if (lat.size() >= 7) {
@@ -450,6 +451,8 @@ std::vector<Row> RunPerftest(const Flags& f) {
       // Columns: #iterations BW_peak BW_average MsgRate (MB/s = 2^20 bytes)
       if (bw.size() >= 3) r.gbps = bw[2] * 1048576.0 * 8 / 1e9;
     }
+    std::fprintf(stderr, "  perftest %zu B: p50 %.1f us (2 x ib_send_lat), p99 %.1f us, %.3f Gb/s (ib_write_bw)\n", size,
+                 r.p50, r.p99, r.gbps);
     ceiling.push_back(r);
   }
   return ceiling;
