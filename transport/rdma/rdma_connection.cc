@@ -354,7 +354,21 @@ class RdmaConnectionImpl final : public std::enable_shared_from_this<RdmaConnect
       return;
     }
     if (TokenKindOf(token) == kTokSendSlot) {
-      pending_.push_back({Op::kData, static_cast<uint32_t>(TokenIndex(token)), size, 0, std::move(handler)});
+      const auto slot = static_cast<uint32_t>(TokenIndex(token));
+      // Nothing queued ahead of it, a credit and room on the SQ: onto the QP
+      // now, as Pump would, without the queue's round trip (the common case:
+      // an answer, or a call with few in flight).
+      if (pending_.empty() && control_.empty() && invalidations_.empty() && local_op_ == LocalOp::kNone &&
+          ledger_->CanSendData() && sq_used_ < opt_.send_depth) {
+        ++stats_.messages_sent;
+        stats_.bytes_sent += size;
+        waiting_for_credit_ = false;
+        BeginDataFrame(size, handler, slot);
+        if (auto st = PostSend(slot, wire::kHeaderSize + size); !st.ok()) return Fail(st);
+        MaybeReturnCredits();
+        return;
+      }
+      pending_.push_back({Op::kData, slot, size, 0, std::move(handler)});
     } else {
       auto& lo = large_out_.at(TokenIndex(token));
       lo.untracked = !handler;
@@ -821,14 +835,14 @@ class RdmaConnectionImpl final : public std::enable_shared_from_this<RdmaConnect
       absl::Status st;
       if (op.op == Op::kData) {
         if (sq_used_ >= opt_.send_depth) break;
-        BeginDataFrame(op, op.slot);
+        BeginDataFrame(op.size, op.handler, op.slot);
         st = PostSend(op.slot, wire::kHeaderSize + op.size);
       } else if (op.op == Op::kDataLent) {
         // A slot for the header only; the payload stays in the caller's Buffer.
         if (sq_used_ >= opt_.send_depth || free_send_slots_.size() <= kControlSlots) break;
         const uint32_t slot = free_send_slots_.back();
         free_send_slots_.pop_back();
-        BeginDataFrame(op, slot);
+        BeginDataFrame(op.size, op.handler, slot);
         slot_lent_[slot] = op.id;
         const LargeOut& out = large_out_.at(op.id);
         st = PostSendGather(slot, out.data, op.size, out.lkey);
@@ -846,13 +860,13 @@ class RdmaConnectionImpl final : public std::enable_shared_from_this<RdmaConnect
 
   // Takes a data credit for `op` and writes its DATA header, carrying the
   // credits we owe, into `slot`, which now answers for op's handler.
-  void BeginDataFrame(PendingOp& op, uint32_t slot) {
+  void BeginDataFrame(size_t size, SendHandler& handler, uint32_t slot) {
     ledger_->ConsumeData();
     auto owed = ledger_->TakeOwed();
-    wire::EncodeHeader({wire::Type::kData, owed.data, owed.ctrl, static_cast<uint32_t>(op.size), 0}, SendSlot(slot));
-    slot_handlers_[slot].swap(op.handler);  // Never move-assign: see kNoHandlerAssign.
+    wire::EncodeHeader({wire::Type::kData, owed.data, owed.ctrl, static_cast<uint32_t>(size), 0}, SendSlot(slot));
+    slot_handlers_[slot].swap(handler);  // Never move-assign: see kNoHandlerAssign.
     slot_untracked_[slot] = slot_handlers_[slot] ? 0 : 1;  // SendUntracked(): counted to the sink
-    stats_.eager_bytes += op.size;
+    stats_.eager_bytes += size;
   }
 
   // Posts one CTS or WRITE if credits and queue room allow. kHoldQueue: the
