@@ -858,8 +858,9 @@ class RdmaConnectionImpl final : public std::enable_shared_from_this<RdmaConnect
     MaybeReturnCredits();
   }
 
-  // Takes a data credit for `op` and writes its DATA header, carrying the
-  // credits we owe, into `slot`, which now answers for op's handler.
+  // Takes a data credit for a `size`-byte message and writes its DATA header,
+  // carrying the credits we owe, into `slot`, which now answers for `handler`
+  // (taken from the caller).
   void BeginDataFrame(size_t size, SendHandler& handler, uint32_t slot) {
     ledger_->ConsumeData();
     auto owed = ledger_->TakeOwed();
