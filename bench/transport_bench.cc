@@ -462,9 +462,14 @@ std::vector<Row> RunPerftest(const Flags& f) {
   return ceiling;
 }
 
+// Of the measured values (0: not measured); the mean of the middle two when
+// their number is even.
 double Median(std::vector<double> v) {
   v.erase(std::remove_if(v.begin(), v.end(), [](double x) { return !(x > 0); }), v.end());
-  return v.empty() ? 0 : Pct(v, 0.5);
+  if (v.empty()) return 0;
+  std::sort(v.begin(), v.end());
+  const size_t n = v.size();
+  return n % 2 == 1 ? v[n / 2] : (v[n / 2 - 1] + v[n / 2]) / 2;
 }
 
 }  // namespace
