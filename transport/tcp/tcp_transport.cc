@@ -1110,13 +1110,32 @@ class TcpListener final : public Listener {
 
 // ---- connect -------------------------------------------------------------------
 
+// async_connect leaves EPOLLOUT in the socket's epoll registration for good
+// (Asio never takes it out), and every later async_wait re-arms that
+// registration with EPOLL_CTL_MOD, which reports the writable socket again:
+// one more reactor wake-up per received message on the client, for nothing
+// (ReadLoop waits for reads only; writes go by sendmsg and only wait when the
+// socket is full). Handing the connected descriptor back to the reactor
+// registers it afresh, for reads.
+error_code Reregister(tcp::socket& socket) {
+  error_code ec;
+  const tcp::endpoint local = socket.local_endpoint(ec);
+  if (ec) return ec;
+  const tcp::socket::native_handle_type fd = socket.release(ec);
+  if (ec) return ec;
+  socket.assign(local.protocol(), fd, ec);
+  if (ec) ::close(fd);
+  return ec;
+}
+
 asio::awaitable<error_code> ResolveAndConnect(tcp::resolver& resolver, tcp::socket& socket, std::string host,
                                               uint16_t port) {
   auto [resolve_ec, endpoints] =
       co_await resolver.async_resolve(host, std::to_string(port), asio::as_tuple(asio::use_awaitable));
   if (resolve_ec) co_return resolve_ec;
   auto [connect_ec, endpoint] = co_await asio::async_connect(socket, endpoints, asio::as_tuple(asio::use_awaitable));
-  co_return connect_ec;
+  if (connect_ec) co_return connect_ec;
+  co_return Reregister(socket);
 }
 
 // Connect, then the handshake: our hello out, the server's verdict in.
