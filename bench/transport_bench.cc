@@ -251,6 +251,12 @@ absl::Status Measure(const std::string& name, Connection& client, ClientSink* si
     const int iters = !f.latency ? 0 : size >= (1 << 20) ? std::max(20, f.iters / 20) : f.iters;
     const auto lat_deadline = Clock::now() + f.phase;
     const int warmup = std::min(100, iters / 10);
+    // Whether the ping-pong goes on after `i` round trips (negative: warm-up):
+    // up to `iters`, and past the phase's time only to the next multiple of
+    // 64 (the clock is read only then), at least 10.
+    const auto more_latency = [&](int i) {
+      return i < iters && (i < 10 || i % 64 != 0 || Clock::now() < lat_deadline);
+    };
     if (sink != nullptr && iters > 0) {
       // The ping-pong runs from the client's sink: the handler that takes
       // each echo records the round trip and sends the next message, as the
@@ -282,8 +288,7 @@ absl::Status Measure(const std::string& name, Connection& client, ClientSink* si
         if (got != size) st = absl::DataLossError("echo size differs");
         if (i >= 0) us.push_back(std::chrono::duration<double, std::micro>(t1 - t0).count());
         ++i;
-        const bool more = i < iters && (i < 10 || i % 64 != 0 || t1 < lat_deadline);
-        if (!st.ok() || !more || !send_next()) done = true;
+        if (!st.ok() || !more_latency(i) || !send_next()) done = true;
       };
       const bool ran = send_next() && RunUntil(io, [&] { return done || !sink->status.ok(); });
       sink->on_echo = nullptr;
@@ -291,8 +296,7 @@ absl::Status Measure(const std::string& name, Connection& client, ClientSink* si
       if (!st.ok()) return st;
       if (!ran) return absl::DeadlineExceededError("echo timed out");
     }
-    for (int i = -warmup; sink == nullptr && i < iters && (i < 10 || i % 64 != 0 || Clock::now() < lat_deadline);
-         ++i) {
+    for (int i = -warmup; sink == nullptr && more_latency(i); ++i) {
       auto buf = client.Prepare(size);
       if (!buf.ok()) return buf.status();
       const auto t0 = Clock::now();

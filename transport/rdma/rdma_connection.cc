@@ -355,16 +355,12 @@ class RdmaConnectionImpl final : public std::enable_shared_from_this<RdmaConnect
     }
     if (TokenKindOf(token) == kTokSendSlot) {
       const auto slot = static_cast<uint32_t>(TokenIndex(token));
-      // Nothing queued ahead of it, a credit and room on the SQ: onto the QP
-      // now, as Pump would, without the queue's round trip (the common case:
-      // an answer, or a call with few in flight).
-      if (pending_.empty() && control_.empty() && invalidations_.empty() && local_op_ == LocalOp::kNone &&
-          ledger_->CanSendData() && sq_used_ < opt_.send_depth) {
+      // Onto the QP now if Pump would post it now, without the queue's round
+      // trip (the common case: an answer, or a call with few in flight).
+      if (PumpWouldPostDataNow()) {
         ++stats_.messages_sent;
         stats_.bytes_sent += size;
-        waiting_for_credit_ = false;
-        BeginDataFrame(size, handler, slot);
-        if (auto st = PostSend(slot, wire::kHeaderSize + size); !st.ok()) return Fail(st);
+        if (auto st = PostData(size, handler, slot); !st.ok()) return Fail(st);
         MaybeReturnCredits();
         return;
       }
@@ -835,8 +831,7 @@ class RdmaConnectionImpl final : public std::enable_shared_from_this<RdmaConnect
       absl::Status st;
       if (op.op == Op::kData) {
         if (sq_used_ >= opt_.send_depth) break;
-        BeginDataFrame(op.size, op.handler, op.slot);
-        st = PostSend(op.slot, wire::kHeaderSize + op.size);
+        st = PostData(op.size, op.handler, op.slot);
       } else if (op.op == Op::kDataLent) {
         // A slot for the header only; the payload stays in the caller's Buffer.
         if (sq_used_ >= opt_.send_depth || free_send_slots_.size() <= kControlSlots) break;
@@ -856,6 +851,23 @@ class RdmaConnectionImpl final : public std::enable_shared_from_this<RdmaConnect
       if (!st.ok()) return Fail(st);
     }
     MaybeReturnCredits();
+  }
+
+  // Whether Pump, called now, would post a DATA frame sent now: nothing is
+  // queued ahead of it (pending_), Pump would reach its DATA queue (no local
+  // operation, revocation or rendezvous frame waiting: stricter than Pump,
+  // which lets DATA pass a rendezvous frame short of ctrl credits), and a
+  // data credit and SQ room are there, the checks of Pump's DATA step.
+  bool PumpWouldPostDataNow() const {
+    return pending_.empty() && local_op_ == LocalOp::kNone && invalidations_.empty() && control_.empty() &&
+           ledger_->CanSendData() && sq_used_ < opt_.send_depth;
+  }
+
+  // Posts the DATA frame of a `size`-byte message in send slot `slot`
+  // (Pump's DATA step, and Send's when PumpWouldPostDataNow()).
+  absl::Status PostData(size_t size, SendHandler& handler, uint32_t slot) {
+    BeginDataFrame(size, handler, slot);
+    return PostSend(slot, wire::kHeaderSize + size);
   }
 
   // Takes a data credit for a `size`-byte message and writes its DATA header,
