@@ -17,6 +17,7 @@
 #pragma once
 
 #include <cstddef>
+#include <new>
 #include <memory>
 #include <type_traits>
 #include <utility>
@@ -109,6 +110,71 @@ class LeanHandler {
 template <typename Alloc, typename Handler>
 LeanHandler<std::decay_t<Handler>, Alloc> Lean(Alloc alloc, Handler&& handler) {
   return {std::move(alloc), std::forward<Handler>(handler)};
+}
+
+// Storage for the one in-flight operation of a chain of our own operations
+// (a TCP connection's read loop, its write chain; an RDMA poller's spin pass
+// that re-posts itself). Asio frees an operation's memory before it calls the
+// completion, so the chain's next operation finds the slot free again and the
+// steady path neither goes to the heap nor to the per-thread cache (Asio's
+// "allocation" example). An operation that does not fit, or a second one
+// while the slot is taken, falls back to the heap. The memory must outlive
+// the operation: keep it in the object the handler holds a reference to.
+// Not thread-safe: an operation is allocated and freed on one executor (or
+// handed over through Asio's queue).
+class OpMemory {
+ public:
+  OpMemory() = default;
+  OpMemory(const OpMemory&) = delete;
+  OpMemory& operator=(const OpMemory&) = delete;
+
+  void* Allocate(std::size_t size) {
+    if (!in_use_ && size <= sizeof(storage_)) {
+      in_use_ = true;
+      return storage_;
+    }
+    return ::operator new(size);
+  }
+  void Deallocate(void* p) noexcept {
+    if (p == storage_) {
+      in_use_ = false;
+    } else {
+      ::operator delete(p);
+    }
+  }
+
+ private:
+  // A TCP write op carries Asio's 64-entry prepared buffer array (1 KiB) plus
+  // the composed op and our handler; 2 KiB holds it with room to spare.
+  alignas(std::max_align_t) std::byte storage_[2048];
+  bool in_use_ = false;
+};
+
+template <typename T>
+class OpAllocator {
+ public:
+  using value_type = T;
+  explicit OpAllocator(OpMemory* memory) noexcept : memory_(memory) {}
+  template <typename U>
+  OpAllocator(const OpAllocator<U>& other) noexcept : memory_(other.memory_) {}  // NOLINT: rebinding converts implicitly
+
+  T* allocate(std::size_t n) { return static_cast<T*>(memory_->Allocate(sizeof(T) * n)); }
+  void deallocate(T* p, std::size_t) noexcept { memory_->Deallocate(p); }
+  template <typename U>
+  bool operator==(const OpAllocator<U>& other) const noexcept {
+    return memory_ == other.memory_;
+  }
+
+ private:
+  template <typename>
+  friend class OpAllocator;
+  OpMemory* memory_;
+};
+
+// One of our own handlers (see Lean) whose operation lives in `memory`.
+template <typename Handler>
+auto WithOpMemory(OpMemory& memory, Handler&& handler) {
+  return Lean(OpAllocator<void>(&memory), std::forward<Handler>(handler));
 }
 
 // `handler` with HandlerAllocator as its associated allocator, unless it

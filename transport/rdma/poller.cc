@@ -51,6 +51,11 @@ void TakeCqEvents(ibv_comp_channel* channel, ibv_cq* cq, unsigned& unacked) {
 struct SinkBox {
   Poller::Sink sink;
   bool stopped = false;  // Executor-only.
+  // The operations of EventPoller's spin pass (PostSpin) and its wait for a
+  // completion event (Wait), one of each at a time: here, not in the poller,
+  // because one may still be queued when the poller is gone.
+  transport::OpMemory spin_memory;
+  transport::OpMemory wait_memory;
 };
 
 // Hands a batch to the sink on `ex`, unless the poller was stopped meanwhile.
@@ -170,12 +175,14 @@ class EventPoller final : public Poller {
 
  private:
   void Wait() {
-    // Handler memory, not Asio's recycling cache: that cache's two blocks are
-    // shared with every other default-allocated operation on the thread, so
-    // when another one held them this wait allocated (a heap allocation now
-    // and then in steady state, seen by rpc_alloc_rdma_test in CI).
+    // The box's own operation memory, not Asio's recycling cache: that
+    // cache's two blocks are shared with every other default-allocated
+    // operation on the thread, so when another one held them this wait
+    // allocated (a heap allocation now and then in steady state, seen by
+    // rpc_alloc_rdma_test in CI). A lean handler: no executor of its own for
+    // Asio to build and compare when the wait completes.
     fd_.async_wait(asio::posix::descriptor_base::wait_read,
-                   transport::WithHandlerMemory([this, box = box_](boost::system::error_code ec) {
+                   transport::WithOpMemory(box_->wait_memory, [this, box = box_](boost::system::error_code ec) {
                      if (box->stopped || ec) return;
                      OnReadable(*box);
                    }));
@@ -199,11 +206,12 @@ class EventPoller final : public Poller {
   // One pass per turn of the executor while spinning, posted to the
   // io_context's own executor when it is one (the type-erased post costs
   // ~350 instructions more a pass, most of an empty pass).
-  // A lean handler (handler_memory.h): ~120 instructions less a pass than
-  // one wrapped by bind_allocator or append, which Asio posts through a
+  // Its operation lives in the box (spin_memory), not in the per-thread
+  // handler cache. A lean handler (handler_memory.h): ~120 instructions less
+  // a pass than one wrapped by bind_allocator or append, which Asio posts through a
   // work_dispatcher.
   void PostSpin() {
-    auto pass = transport::Lean(transport::HandlerAllocator<void>(), [this, box = box_] {
+    auto pass = transport::WithOpMemory(box_->spin_memory, [this, box = box_] {
       if (!box->stopped) SpinPass(*box);
     });
     if (const auto* ioc = spin_ex_.target<asio::io_context::executor_type>()) {

@@ -132,69 +132,6 @@ absl::StatusOr<uint32_t> DecodeVerdict(const std::array<std::byte, kServerVerdic
   return DecodeLength(in.data() + 8);
 }
 
-// ---- memory for internal socket operations -----------------------------------
-
-// Storage for the one in-flight internal operation of a chain (the read loop
-// has one, the write chain has one). Asio frees an operation's memory before it
-// calls the completion, so the chain's next operation finds the slot free
-// again and the steady path never goes to the heap (Asio's "allocation"
-// example). An operation that does not fit falls back to the heap.
-class OpMemory {
- public:
-  OpMemory() = default;
-  OpMemory(const OpMemory&) = delete;
-  OpMemory& operator=(const OpMemory&) = delete;
-
-  void* Allocate(size_t size) {
-    if (!in_use_ && size <= sizeof(storage_)) {
-      in_use_ = true;
-      return storage_;
-    }
-    return ::operator new(size);
-  }
-  void Deallocate(void* p) noexcept {
-    if (p == storage_) {
-      in_use_ = false;
-    } else {
-      ::operator delete(p);
-    }
-  }
-
- private:
-  // A write op carries Asio's 64-entry prepared buffer array (1 KiB) plus the
-  // composed op and our handler; 2 KiB holds it with room to spare.
-  alignas(std::max_align_t) std::byte storage_[2048];
-  bool in_use_ = false;
-};
-
-template <typename T>
-class OpAllocator {
- public:
-  using value_type = T;
-  explicit OpAllocator(OpMemory* memory) noexcept : memory_(memory) {}
-  template <typename U>
-  OpAllocator(const OpAllocator<U>& other) noexcept : memory_(other.memory_) {}
-
-  T* allocate(size_t n) { return static_cast<T*>(memory_->Allocate(sizeof(T) * n)); }
-  void deallocate(T* p, size_t) noexcept { memory_->Deallocate(p); }
-  template <typename U>
-  bool operator==(const OpAllocator<U>& other) const noexcept {
-    return memory_ == other.memory_;
-  }
-
- private:
-  template <typename>
-  friend class OpAllocator;
-  OpMemory* memory_;
-};
-
-// Our own handlers only (transport::Lean: no executor association, so Asio
-// completes them without a second executor).
-template <typename Handler>
-auto WithMemory(OpMemory& memory, Handler&& handler) {
-  return transport::Lean(OpAllocator<void>(&memory), std::forward<Handler>(handler));
-}
-
 // ---- pooled buffers ------------------------------------------------------------
 
 // Receive and send memory of one connection, lent to Messages and SendBuffers
@@ -553,7 +490,7 @@ class ConnectionCore final : public std::enable_shared_from_this<ConnectionCore>
     // Wait for readability, then recv() ourselves: async_read_some would first
     // try a recv() that finds nothing (we just drained the socket), and costs
     // a reactor operation more per message.
-    socket_.async_wait(tcp::socket::wait_read, WithMemory(read_memory_, [self = shared_from_this()](error_code ec) {
+    socket_.async_wait(tcp::socket::wait_read, transport::WithOpMemory(read_memory_, [self = shared_from_this()](error_code ec) {
                          if (ec || !self->status_.ok()) return self->OnReadError(ec);
                          self->OnReadable();
                        }));
@@ -597,7 +534,7 @@ class ConnectionCore final : public std::enable_shared_from_this<ConnectionCore>
     // Owned as a Message from here on, so a failed read gives the buffer back.
     body_ = Message(std::span<const std::byte>(lease.memory, size), &pool_, lease.token);
     asio::async_read(socket_, asio::buffer(lease.memory + have, size - have),
-                     WithMemory(read_memory_, [self = shared_from_this()](error_code body_ec, size_t) {
+                     transport::WithOpMemory(read_memory_, [self = shared_from_this()](error_code body_ec, size_t) {
                        self->OnBody(body_ec);
                      }));
   }
@@ -661,7 +598,7 @@ class ConnectionCore final : public std::enable_shared_from_this<ConnectionCore>
   void PostDrainToSink() {
     if (drain_posted_) return;
     drain_posted_ = true;
-    asio::post(ex_, WithMemory(drain_memory_, [self = shared_from_this()] {
+    asio::post(ex_, transport::WithOpMemory(drain_memory_, [self = shared_from_this()] {
                  self->drain_posted_ = false;
                  self->DrainToSink();
                }));
@@ -766,7 +703,7 @@ class ConnectionCore final : public std::enable_shared_from_this<ConnectionCore>
       while (skip >= iov_[first].size()) skip -= iov_[first++].size();
       iov_[first] += skip;
       asio::async_write(socket_, BufferView{iov_.data() + first, iov_.data() + n},
-                        WithMemory(write_memory_, [self = shared_from_this()](error_code ec, size_t) {
+                        transport::WithOpMemory(write_memory_, [self = shared_from_this()](error_code ec, size_t) {
                           self->OnWritten(ec);
                         }));
       return;
@@ -780,7 +717,7 @@ class ConnectionCore final : public std::enable_shared_from_this<ConnectionCore>
     writing_ = false;
     if (!in_read_handler_ && !complete_posted_) {
       complete_posted_ = true;
-      asio::post(ex_, WithMemory(complete_memory_, [self = shared_from_this()] {
+      asio::post(ex_, transport::WithOpMemory(complete_memory_, [self = shared_from_this()] {
                    self->complete_posted_ = false;
                    self->CompleteWritten();
                  }));
@@ -893,8 +830,8 @@ class ConnectionCore final : public std::enable_shared_from_this<ConnectionCore>
   const std::string peer_;
   BufferPool pool_;
   ReadBuffers reads_;
-  OpMemory read_memory_;
-  OpMemory write_memory_;
+  transport::OpMemory read_memory_;
+  transport::OpMemory write_memory_;
 
   // Receive path.
   std::byte* rbuf_ = nullptr;  // reads_'s current buffer, kReadBuffer bytes; [rpos_, rend_) not yet delivered
@@ -910,7 +847,7 @@ class ConnectionCore final : public std::enable_shared_from_this<ConnectionCore>
   bool in_read_handler_ = false;  // the same, for the whole handler: written_ completes at its end
   MessageSink* sink_ = nullptr;  // SetSink(): gets every message instead of receivers_
   bool drain_posted_ = false;
-  OpMemory drain_memory_;
+  transport::OpMemory drain_memory_;
 
   // Send path.
   Fifo<PendingSend> send_queue_;
@@ -921,7 +858,7 @@ class ConnectionCore final : public std::enable_shared_from_this<ConnectionCore>
   size_t untracked_written_ = 0;        // SendUntracked() messages written, not yet told to the sink.
   size_t untracked_written_bytes_ = 0;
   bool complete_posted_ = false;
-  OpMemory complete_memory_;
+  transport::OpMemory complete_memory_;
 
   // OK while usable; the first failure, or CANCELLED after Close().
   absl::Status status_;
