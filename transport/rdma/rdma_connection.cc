@@ -358,6 +358,7 @@ class RdmaConnectionImpl final : public std::enable_shared_from_this<RdmaConnect
       // Onto the QP now if Pump would post it now, without the queue's round
       // trip (the common case: an answer, or a call with few in flight).
       if (PumpWouldPostDataNow()) {
+        waiting_for_credit_ = false;  // as Pump's DATA step: a credit is there
         ++stats_.messages_sent;
         stats_.bytes_sent += size;
         if (auto st = PostData(size, handler, slot); !st.ok()) return Fail(st);
