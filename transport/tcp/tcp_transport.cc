@@ -1054,13 +1054,11 @@ class TcpListener final : public Listener {
 // (ReadLoop waits for reads only; writes go by sendmsg and only wait when the
 // socket is full). Handing the connected descriptor back to the reactor
 // registers it afresh, for reads.
-error_code Reregister(tcp::socket& socket) {
+error_code Reregister(tcp::socket& socket, const tcp::endpoint& peer) {
   error_code ec;
-  const tcp::endpoint local = socket.local_endpoint(ec);
-  if (ec) return ec;
   const tcp::socket::native_handle_type fd = socket.release(ec);
   if (ec) return ec;
-  socket.assign(local.protocol(), fd, ec);
+  socket.assign(peer.protocol(), fd, ec);
   if (ec) ::close(fd);
   return ec;
 }
@@ -1072,7 +1070,7 @@ asio::awaitable<error_code> ResolveAndConnect(tcp::resolver& resolver, tcp::sock
   if (resolve_ec) co_return resolve_ec;
   auto [connect_ec, endpoint] = co_await asio::async_connect(socket, endpoints, asio::as_tuple(asio::use_awaitable));
   if (connect_ec) co_return connect_ec;
-  co_return Reregister(socket);
+  co_return Reregister(socket, endpoint);
 }
 
 // Connect, then the handshake: our hello out, the server's verdict in.
