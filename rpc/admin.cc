@@ -244,6 +244,8 @@ constexpr StatField kStatFields[] = {
     {"wr_completed", &transport::ConnectionStats::wr_completed, false, "RDMA work requests completed."},
     {"send_doorbells", &transport::ConnectionStats::send_doorbells, false,
      "RDMA send queue doorbells (ibv_post_send calls; SENDs posted in one completion batch share one)."},
+    {"sends_unsignaled", &transport::ConnectionStats::sends_unsignaled, false,
+     "RDMA SENDs posted without a completion of their own (inline, untracked, inside a completion batch)."},
     {"eager_bytes", &transport::ConnectionStats::eager_bytes, false, "Bytes sent eagerly (SEND)."},
     {"rendezvous_bytes", &transport::ConnectionStats::rendezvous_bytes, false, "Bytes sent by rendezvous (RDMA WRITE)."},
     {"credits_available", &transport::ConnectionStats::credits_available, true, "SENDs that may be posted now."},

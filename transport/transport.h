@@ -117,6 +117,10 @@ struct ConnectionStats {
   // ibv_post_send calls, each one doorbell (one system call on Soft-RoCE):
   // the SENDs posted while a completion batch is handled share one.
   uint64_t send_doorbells = 0;
+  // SENDs posted unsignalled (no completion of their own): inline SendUntracked()
+  // messages sent while a completion batch is handled (docs/transport.md,
+  // "Selective signalling").
+  uint64_t sends_unsignaled = 0;
   uint64_t eager_bytes = 0;
   uint64_t rendezvous_bytes = 0;
   uint64_t credits_available = 0;    // SENDs we may post now.

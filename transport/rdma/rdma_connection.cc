@@ -40,8 +40,10 @@ using transport::SendHandler;
 // wr_id layout: kind (8 bits) | WRs covered by this completion (8 bits) | index (48 bits).
 // kWrBind (a grant window's BIND_MW) and kWrInval (its LOCAL_INV) are
 // signalled local operations, each posted alone on an idle send queue
-// (kLocalOpsAlone).
-enum WrKind : uint64_t { kWrSend = 1, kWrRecv = 2, kWrWrite = 3, kWrBind = 4, kWrInval = 5 };
+// (kLocalOpsAlone). kWrCover: a SEND whose slot was freed when it was posted
+// (kSelectiveSignalling); when signalled, its completion only accounts for
+// itself and the unsignalled SENDs before it.
+enum WrKind : uint64_t { kWrSend = 1, kWrRecv = 2, kWrWrite = 3, kWrBind = 4, kWrInval = 5, kWrCover = 6 };
 constexpr uint64_t MakeWrId(WrKind kind, uint64_t covered, uint64_t index) {
   return (static_cast<uint64_t>(kind) << 56) | (covered << 48) | index;
 }
@@ -62,6 +64,21 @@ constexpr uint64_t WrIndex(uint64_t id) { return id & ((uint64_t{1} << 48) - 1);
 // (faults_rpc_netem, faults_rpc_poweroff in CI). Alone on an idle queue, a
 // signalled local operation is the head WQE when the completer runs, which it
 // is scheduled to at once, so no retry can reach it.
+
+// kSelectiveSignalling: an untracked (SendUntracked) DATA frame small enough
+// to go inline, posted while a completion batch is handled, is done when it
+// is posted: the provider has copied it (IBV_SEND_INLINE), so its slot is free
+// at once, and the sink hears of it at the end of the batch. Such SENDs go
+// unsignalled, all but one in kUnsignaledRun (and any posted while a local
+// operation waits), so a ping-pong answered from the sink costs no send
+// completion on either side: no CQE written, polled and dispatched per
+// message. A send queue entry is free only when a later signalled WR
+// completes (a NIC retires unsignalled WQEs with the next CQE), so sq_used_
+// keeps counting them until then: a signalled SEND's completion covers the
+// unsignalled ones posted before it (wr_id's covered count). When the queue
+// must drain for a local operation and unsignalled SENDs are the only thing
+// left on it, nothing would ever report them: a signalled CREDIT frame goes
+// behind them (CoverUnsignaled).
 
 // kNoHandlerAssign: Boost 1.81's any_completion_handler move *assignment*
 // copies its argument as an lvalue, which re-wraps the handler in itself
@@ -170,14 +187,24 @@ class RdmaConnectionImpl final : public std::enable_shared_from_this<RdmaConnect
     attr.send_cq = cq_.get();
     attr.recv_cq = cq_.get();
     attr.cap.max_send_wr = opt_.send_depth;
+    unsignaled_run_ = std::clamp<uint32_t>(opt_.send_depth / 2, 1, kUnsignaledRun);
     attr.cap.max_recv_wr = recv_slots_;
     // Two: a registered Buffer goes out as header (from a send slot) + the
     // application's bytes, gathered by the NIC (SendRegistered).
     attr.cap.max_send_sge = 2;
     attr.cap.max_recv_sge = 1;
-    // Header + a small message inline saves the NIC a DMA read of the slot.
-    attr.cap.max_inline_data = 64 + wire::kHeaderSize;
-    if (auto st = ep_->CreateQp(dev.pd(), attr); !st.ok()) return st;
+    // Header + a small message inline saves the NIC a DMA read of the slot,
+    // and lets an untracked one go unsignalled (kSelectiveSignalling). 236
+    // bytes (perftest's default for RC) hold a small RPC: a 64-byte protobuf
+    // echo is ~114 bytes with the RPC and wire headers. A device that cannot
+    // inline that much gets a QP with header + 64 bytes.
+    attr.cap.max_inline_data = 236;
+    absl::Status qp_st = ep_->CreateQp(dev.pd(), attr);
+    if (!qp_st.ok()) {
+      attr.cap.max_inline_data = 64 + wire::kHeaderSize;
+      qp_st = ep_->CreateQp(dev.pd(), attr);
+    }
+    if (!qp_st.ok()) return qp_st;
     ibv_qp_attr qattr{};
     ibv_qp_init_attr qinit{};
     if (ibv_query_qp(ep_->qp(), &qattr, IBV_QP_CAP, &qinit) == 0) max_inline_ = qinit.cap.max_inline_data;
@@ -677,6 +704,9 @@ class RdmaConnectionImpl final : public std::enable_shared_from_this<RdmaConnect
   // credits for them). Any other post (WRITEs, binds, invalidations) rings
   // first, so the SQ keeps the order in which operations were taken.
   static constexpr int kHeldWrs = 32;
+  // kSelectiveSignalling: at most this many SENDs in a row go unsignalled
+  // (fewer when the send queue is short: at most half of it).
+  static constexpr uint32_t kUnsignaledRun = 16;
   struct HeldPosts {
     HeldPosts() {  // What every held WR shares is written once; the rest per post.
       for (int i = 0; i < kHeldWrs; ++i) {
@@ -687,6 +717,10 @@ class RdmaConnectionImpl final : public std::enable_shared_from_this<RdmaConnect
     int sends = 0;
     ibv_send_wr send_wr[kHeldWrs] = {};
     ibv_sge send_sge[kHeldWrs][2] = {};
+    // Slots of held SENDs done at their post (kSelectiveSignalling): free once
+    // the chain is posted (the inline copy is made then), not before.
+    int done = 0;
+    uint32_t done_slots[kHeldWrs] = {};
   };
   class DoorbellHold {
    public:
@@ -706,6 +740,7 @@ class RdmaConnectionImpl final : public std::enable_shared_from_this<RdmaConnect
   // failure (or once the QP is gone) nothing is held.
   absl::Status RingDoorbells() {
     const int sends = std::exchange(held_.sends, 0);
+    const int done = std::exchange(held_.done, 0);
     if (sends == 0 || !error_.ok() || !ep_ || ep_->qp() == nullptr) return absl::OkStatus();
     for (int i = 0; i + 1 < sends; ++i) held_.send_wr[i].next = &held_.send_wr[i + 1];
     held_.send_wr[sends - 1].next = nullptr;  // (`next` is rewritten at every ring)
@@ -713,6 +748,8 @@ class RdmaConnectionImpl final : public std::enable_shared_from_this<RdmaConnect
     if (int rc = ibv_post_send(ep_->qp(), held_.send_wr, &bad); rc != 0)
       return ErrnoStatus(rc, absl::StrCat("ibv_post_send(SEND, ", sends, " chained)"));
     ++stats_.send_doorbells;
+    for (int i = 0; i < done; ++i) free_send_slots_.push_back(held_.done_slots[i]);
+    done_at_post_ += static_cast<size_t>(done);
     return absl::OkStatus();
   }
 
@@ -735,10 +772,42 @@ class RdmaConnectionImpl final : public std::enable_shared_from_this<RdmaConnect
   }
 
   // Posts one signalled SEND, accounted to `slot`, of `n` SGEs holding `bytes`
-  // in all (inline when they fit).
+  // in all (inline when they fit). Its completion covers the unsignalled
+  // SENDs before it (kSelectiveSignalling).
   absl::Status PostSendSges(uint32_t slot, ibv_sge* sges, int n, size_t bytes) {
-    const uint64_t wr_id = MakeWrId(kWrSend, 1, slot);
+    const uint64_t wr_id = MakeWrId(kWrSend, 1 + std::exchange(unsignaled_, 0), slot);
     const unsigned flags = IBV_SEND_SIGNALED | (bytes <= max_inline_ ? IBV_SEND_INLINE : 0);
+    return PostSendWr(wr_id, flags, sges, n);
+  }
+
+  // An inline untracked DATA frame in `slot`, `bytes` long, sent while a
+  // completion batch is handled: done at its post (kSelectiveSignalling).
+  absl::Status PostSendDoneAtPost(uint32_t slot, size_t bytes) {
+    slot_untracked_[slot] = 0;
+    // Signalled: one in a run, and while a local operation waits for the
+    // queue to drain (the run then ends here, not in a CREDIT frame).
+    const bool signal = unsignaled_ + 1 >= unsignaled_run_ || !invalidations_.empty() || !control_.empty() ||
+                        local_op_ != LocalOp::kNone;
+    const uint64_t wr_id = MakeWrId(kWrCover, signal ? 1 + std::exchange(unsignaled_, 0) : 0, slot);
+    if (!signal) {
+      ++unsignaled_;
+      ++stats_.sends_unsignaled;
+    }
+    ibv_sge sge{reinterpret_cast<uint64_t>(SendSlot(slot)), static_cast<uint32_t>(bytes), slots_mr_->lkey};
+    const bool held = doorbell_hold_ > 0;
+    if (auto st = PostSendWr(wr_id, unsigned{IBV_SEND_INLINE} | (signal ? unsigned{IBV_SEND_SIGNALED} : 0u), &sge, 1); !st.ok())
+      return st;
+    if (held) {
+      held_.done_slots[held_.done++] = slot;  // freed when the chain is posted
+    } else {
+      free_send_slots_.push_back(slot);
+      ++done_at_post_;
+    }
+    return absl::OkStatus();
+  }
+
+  // Posts (or, under a DoorbellHold, collects) one SEND work request.
+  absl::Status PostSendWr(uint64_t wr_id, unsigned flags, ibv_sge* sges, int n) {
     if (doorbell_hold_ > 0) {
       assert(n >= 1 && n <= 2);
       if (held_.sends == kHeldWrs)
@@ -803,7 +872,10 @@ class RdmaConnectionImpl final : public std::enable_shared_from_this<RdmaConnect
     // Revocations first: a completed message waits for its window's LOCAL_INV,
     // which waits for the queue to drain; nothing new goes on meanwhile.
     if (error_.ok() && !invalidations_.empty()) {
-      if (sq_used_ > 0) return;
+      if (sq_used_ > 0) {
+        if (auto st = CoverUnsignaled(); !st.ok()) Fail(st);
+        return;
+      }
       const uint64_t id = invalidations_.front();
       invalidations_.pop_front();
       if (auto st = PostInvalidate(id); !st.ok()) return Fail(st);
@@ -868,7 +940,10 @@ class RdmaConnectionImpl final : public std::enable_shared_from_this<RdmaConnect
   // (Pump's DATA step, and Send's when PumpWouldPostDataNow()).
   absl::Status PostData(size_t size, SendHandler& handler, uint32_t slot) {
     BeginDataFrame(size, handler, slot);
-    return PostSend(slot, wire::kHeaderSize + size);
+    const size_t bytes = wire::kHeaderSize + size;
+    if ((in_completions_ || in_flush_) && bytes <= max_inline_ && slot_untracked_[slot] != 0)
+      return PostSendDoneAtPost(slot, bytes);
+    return PostSend(slot, bytes);
   }
 
   // Takes a data credit for a `size`-byte message and writes its DATA header,
@@ -896,7 +971,7 @@ class RdmaConnectionImpl final : public std::enable_shared_from_this<RdmaConnect
         // this window opens it), alone on an idle queue (kLocalOpsAlone); the
         // CTS goes when the bind has completed, so the window is open before
         // the peer can learn its rkey.
-        if (sq_used_ == 0) st = PostBind(op.id, in);
+        st = sq_used_ == 0 ? PostBind(op.id, in) : CoverUnsignaled();
         return Pumped::kHoldQueue;  // the CTS waits for the bind's completion
       }
       if (!ledger_->CanSendRendezvous()) return Pumped::kNotYet;
@@ -949,6 +1024,21 @@ class RdmaConnectionImpl final : public std::enable_shared_from_this<RdmaConnect
     stats_.wr_posted += chunks;
     stats_.rendezvous_bytes += out.size;
     return absl::OkStatus();
+  }
+
+  // The queue must drain for a local operation, and unsignalled SENDs on it
+  // would never report (kSelectiveSignalling): a signalled CREDIT frame goes
+  // behind them, whose completion accounts for them. It spends a ctrl credit,
+  // as a CTS would, never the last one (kept for credits.h's answers); with
+  // none to spare, the credits owed to us come back (credits.h) and Pump,
+  // which runs on their arrival, calls this again.
+  absl::Status CoverUnsignaled() {
+    if (unsignaled_ == 0 || !error_.ok() || !ledger_->CanSendRendezvous() || sq_used_ >= opt_.send_depth ||
+        free_send_slots_.empty())
+      return absl::OkStatus();
+    ledger_->ConsumeCreditFrame();
+    ++stats_.credit_frames_sent;
+    return SendControl({wire::Type::kCredit, 0, 0, 0, 0}, nullptr);
   }
 
   // Sends a CREDIT frame when credits.h's answer rules say so. One is
@@ -1203,6 +1293,9 @@ class RdmaConnectionImpl final : public std::enable_shared_from_this<RdmaConnect
         case kWrRecv:
           OnRecv(wc);
           break;
+        case kWrCover:  // Its slot went back at its post (kSelectiveSignalling).
+          sq_used_ -= WrCovered(wc.wr_id);
+          break;
         case kWrSend: {
           sq_used_ -= WrCovered(wc.wr_id);
           const uint32_t slot = static_cast<uint32_t>(WrIndex(wc.wr_id));
@@ -1255,7 +1348,14 @@ class RdmaConnectionImpl final : public std::enable_shared_from_this<RdmaConnect
     // accounted: queued frames go out, and one frame carries all owed credits.
     if (error_.ok()) Pump();
     in_completions_ = false;
+    in_flush_ = true;
     FlushCompletions();
+    in_flush_ = false;
+    // SENDs done at their post in this batch (kSelectiveSignalling), counted
+    // once their chain is posted: the sink may send again into their slots.
+    hold.reset();
+    if (const size_t n = std::exchange(done_at_post_, 0); n != 0 && sink_ != nullptr && error_.ok())
+      sink_->OnSendsCompleted(n);
   }
 
   // The batch's completions, run at once (this is a CQ event handler, not the
@@ -1523,6 +1623,13 @@ class RdmaConnectionImpl final : public std::enable_shared_from_this<RdmaConnect
   std::vector<uint64_t> slot_lent_;  // By send slot: the large_out_ key of a lent Buffer it gathers, or 0.
   std::vector<uint8_t> slot_untracked_;  // By send slot: 1 while it carries a SendUntracked() message.
   size_t untracked_done_ = 0;  // SendUntracked() completions of this batch, for the sink.
+  // kSelectiveSignalling: SENDs posted unsignalled since the last signalled
+  // one; the longest such run plus one; SENDs of this batch done at their
+  // post, for the sink; and whether FlushCompletions is running.
+  uint32_t unsignaled_ = 0;
+  uint32_t unsignaled_run_ = 1;
+  size_t done_at_post_ = 0;
+  bool in_flush_ = false;
   transport::Fifo<PendingOp> pending_;  // DATA and RTS, in message order.
   transport::Fifo<PendingOp> control_;  // CTS and WRITE: rendezvous progress, first.
   // Before large_out_: its buffers go back to the pool before the pool goes.
