@@ -68,7 +68,12 @@ class LentBytes {
     }
     return *this;
   }
-  ~LentBytes() { Reset(); }
+  // Inline: most LentBytes destroyed are moved-from (a message passes through
+  // several on its way to the consumer), and a call per destruction cost ~150
+  // instructions per RPC.
+  ~LentBytes() {
+    if (owner_ != nullptr) owner_->Release(token_);
+  }
 
   std::span<Byte> data() const { return data_; }
   size_t size() const { return data_.size(); }

@@ -491,7 +491,10 @@ class RdmaConnectionImpl final : public std::enable_shared_from_this<RdmaConnect
             return;
           }
           ledger_->OnReposted(CreditLedger::Kind::kData);
-          Pump();
+          // A RECV back is a credit owed: all it can change is whether a
+          // CREDIT frame should go. Queued frames wait for the peer's
+          // credits, send queue room or a drain, none of which this gives.
+          MaybeReturnCredits();
         }
         break;
     }
