@@ -586,7 +586,7 @@ void Server::Impl::OnRequest(const std::shared_ptr<Conn>& conn, Message message,
     return reject(InvalidArgumentError(absl::StrCat("request for ", internal::Sv(entry.method->info.full_name),
                                                     " does not parse as ", call->request->GetTypeName())));
   call->ctx.Reset(&conn->peer);
-  rpc::ParseMetadata(f.metadata, call->ctx.mutable_metadata());
+  if (!f.metadata.empty()) rpc::ParseMetadata(f.metadata, call->ctx.mutable_metadata());
   message.Reset();  // the receive buffer goes back to the transport (and its credit to the peer)
   if (streaming) {
     ++stats_.streams_started;
