@@ -483,16 +483,22 @@ struct EchoSink final : transport::MessageSink {
   void OnConnectionError(absl::Status st) override { error = st; }
 };
 
+// The two ways a completion batch reaches its handlers on the executor's
+// thread: event mode, and busy polling run to completion.
+RdmaOptions ExecutorPollingOptions(bool rtc) {
+  RdmaOptions opt;
+  opt.poll_mode = rtc ? PollMode::kBusy : PollMode::kEvent;
+  opt.run_to_completion = rtc;
+  return opt;
+}
+
 TEST(RdmaTransportDoorbells, ResponsesToABatchOfMessagesShareADoorbell) {
   for (bool rtc : {false, true}) {
     SCOPED_TRACE(rtc ? "busy, run to completion" : "event");
     auto ctx = OpenContext();
     ASSERT_TRUE(ctx);
     asio::io_context io;
-    RdmaOptions opt;
-    opt.poll_mode = rtc ? PollMode::kBusy : PollMode::kEvent;
-    opt.run_to_completion = rtc;
-    Pair p = ConnectPair(io, ctx, opt);
+    Pair p = ConnectPair(io, ctx, ExecutorPollingOptions(rtc));
     ASSERT_TRUE(p.client && p.server);
     EchoSink echo;
     echo.conn = p.server.get();
@@ -580,9 +586,7 @@ TEST(RdmaTransportSignalling, UntrackedAnswersFromTheSinkGoUnsignalledAndRendezv
     auto ctx = OpenContext();
     ASSERT_TRUE(ctx);
     asio::io_context io;
-    RdmaOptions opt;
-    opt.poll_mode = rtc ? PollMode::kBusy : PollMode::kEvent;
-    opt.run_to_completion = rtc;
+    RdmaOptions opt = ExecutorPollingOptions(rtc);
     opt.grant_windows = true;
     Pair p = ConnectPair(io, ctx, opt);
     ASSERT_TRUE(p.client && p.server);
