@@ -241,7 +241,7 @@ constexpr StatField kStatFields[] = {
     {"bytes_sent", &transport::ConnectionStats::bytes_sent, false, "Message bytes sent."},
     {"bytes_received", &transport::ConnectionStats::bytes_received, false, "Message bytes received."},
     {"wr_posted", &transport::ConnectionStats::wr_posted, false, "RDMA work requests posted (0 for tcp)."},
-    {"wr_completed", &transport::ConnectionStats::wr_completed, false, "RDMA work requests completed."},
+    {"wr_completed", &transport::ConnectionStats::wr_completed, false, "RDMA work completions polled: one per receive and per signalled send-queue WR (unsignalled SENDs and WRITE chunks have none)."},
     {"send_doorbells", &transport::ConnectionStats::send_doorbells, false,
      "RDMA send queue doorbells (ibv_post_send calls; SENDs posted in one completion batch share one)."},
     {"sends_unsignaled", &transport::ConnectionStats::sends_unsignaled, false,

@@ -118,6 +118,10 @@ struct ConnectionStats {
   uint64_t bytes_received = 0;
   // RDMA only (zero elsewhere).
   uint64_t wr_posted = 0;
+  // Work completions polled: one per receive and per signalled send-queue WR.
+  // Unsignalled SENDs (sends_unsignaled) and a WRITE chain's leading chunks
+  // have none, so wr_posted - wr_completed is not what is in flight
+  // (send_queue_used is).
   uint64_t wr_completed = 0;
   // ibv_post_send calls, each one doorbell (one system call on Soft-RoCE):
   // the SENDs posted while a completion batch is handled share one.
