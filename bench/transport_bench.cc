@@ -10,13 +10,17 @@
 //                   [--grant-windows=1|0]  (rendezvous grants: windows over a pool, or an MR per message)
 //                   [--phases=latency,bandwidth]  (one of them alone: e.g. for strace -c of the ping-pong)
 //                   [--rounds=N]  (all of it N times, perftest in each round; medians, ratios per round)
+//                   [--stats]  (both ends' connection counters after each size: registrations, credit waits...)
 //
 // Client and server run in one process on two threads, each with its own
 // io_context, so neither side's processing hides in the other's.
 #include <boost/asio/io_context.hpp>
 #include <boost/asio/executor_work_guard.hpp>
+#include <boost/asio/post.hpp>
+#include <sched.h>
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <chrono>
 #include <cstdio>
@@ -70,6 +74,8 @@ struct Flags {
   // --rounds: the whole measurement (and perftest) this many times, taking
   // ratios per round (see main).
   int rounds = 1;
+  // --stats: both ends' ConnectionStats (SummarizeStats) after each size.
+  bool stats = false;
 };
 
 [[noreturn]] void Usage(const std::string& why) {
@@ -77,7 +83,7 @@ struct Flags {
                "transport_bench: %s\nusage: transport_bench [--transport=rdma,tcp] [--sizes=64,4096,...] "
                "[--iters=N] [--window=N] [--poll=event|adaptive|busy] [--device=NAME] [--ip=ADDR] "
                "[--with-perftest] [--phase-ms=MS] [--spin] [--rtc] [--grant-windows=1|0] [--receive] "
-               "[--phases=latency,bandwidth] [--rounds=N]\n",
+               "[--phases=latency,bandwidth] [--rounds=N] [--stats]\n",
                why.c_str());
   std::exit(2);
 }
@@ -138,6 +144,8 @@ Flags Parse(int argc, char** argv) {
       if (!absl::SimpleAtoi(val, &f.rounds) || f.rounds <= 0 || f.rounds > 100) Usage("--rounds takes 1..100");
     } else if (key == "--with-perftest") {
       f.perftest = true;
+    } else if (key == "--stats") {
+      f.stats = true;
     } else if (key == "--help" || key == "-h") {
       Usage("help");
     } else {
@@ -146,6 +154,23 @@ Flags Parse(int argc, char** argv) {
   }
   return f;
 }
+
+// --stats: which CPUs each side's messages were handled on (each array is
+// touched by its own side's thread only).
+bool g_stats = false;
+struct CpuCounts {
+  std::array<uint32_t, 16> n{};
+  void Note() {
+    if (g_stats) ++n[static_cast<unsigned>(sched_getcpu()) % n.size()];
+  }
+  std::string Take() {
+    std::string out;
+    for (size_t c = 0; c < n.size(); ++c)
+      if (n[c] != 0) absl::StrAppend(&out, out.empty() ? "" : " ", "cpu", c, ":", n[c]);
+    n = {};
+    return out;
+  }
+};
 
 // The server side: a thread with its own io_context echoing (latency phase)
 // or swallowing (bandwidth phase) everything it receives.
@@ -157,6 +182,7 @@ struct Server final : rdmarpc::transport::MessageSink {
   std::atomic<bool> echo{true};
   std::thread thread;
   bool sink = false;
+  CpuCounts cpus;
 
   void Start(bool receive) {
     sink = !receive && conn->SetSink(this);
@@ -176,6 +202,7 @@ struct Server final : rdmarpc::transport::MessageSink {
   void OnConnectionError(absl::Status) override {}  // Closed: the run is over.
 
   void Handle(Message& m) {
+    cpus.Note();
     if (echo) {
       auto out = conn->Prepare(m.size());
       if (out.ok()) {
@@ -206,7 +233,9 @@ struct ClientSink final : rdmarpc::transport::MessageSink {
   absl::Status status;
   std::function<void(size_t)> on_echo;
   absl::Status ping_status;  // The latency phase's sends and echoes.
+  CpuCounts cpus;
   void OnMessage(Message m) override {
+    cpus.Note();
     got = true;
     size = m.size();
     m.Reset();  // The receive buffer goes back before the next message is sent.
@@ -254,6 +283,18 @@ bool RunUntil(asio::io_context& io, Pred done, std::chrono::seconds limit = std:
 
 absl::Status Measure(const std::string& name, Connection& client, ClientSink* sink, Server& server,
                      asio::io_context& io, const Flags& f, std::vector<Row>& rows) {
+  // The server's counters are read on its own thread (its io_context owns them).
+  auto print_stats = [&](size_t size) {
+    if (!f.stats) return;
+    std::promise<std::string> server_line;
+    asio::post(server.io, [&] {
+      server_line.set_value(absl::StrCat(server.cpus.Take(), " ", rdmarpc::transport::SummarizeStats(server.conn->stats())));
+    });
+    std::fprintf(stderr, "  %s %zu B client: %s %s\n  %s %zu B server: %s\n", name.c_str(), size,
+                 sink != nullptr ? sink->cpus.Take().c_str() : "",
+                 rdmarpc::transport::SummarizeStats(client.stats()).c_str(), name.c_str(), size,
+                 server_line.get_future().get().c_str());
+  };
   for (size_t size : f.sizes) {
     if (size > client.max_message_size()) continue;
     Row row{name, size};
@@ -333,6 +374,7 @@ absl::Status Measure(const std::string& name, Connection& client, ClientSink* si
     if (!f.bandwidth) {
       rows.push_back(row);
       std::fprintf(stderr, "  %s %zu B: p50 %.1f us, p99 %.1f us\n", name.c_str(), size, row.p50, row.p99);
+      print_stats(size);
       continue;
     }
     const size_t total_bytes = std::max<size_t>(size * 200, size_t{64} << 20);
@@ -375,6 +417,7 @@ absl::Status Measure(const std::string& name, Connection& client, ClientSink* si
     rows.push_back(row);
     std::fprintf(stderr, "  %s %zu B: p50 %.1f us, p99 %.1f us, %.3f Gb/s\n", name.c_str(), size, row.p50, row.p99,
                  row.gbps);
+    print_stats(size);
   }
   return absl::OkStatus();
 }
@@ -493,6 +536,7 @@ double Median(std::vector<double> v) {
 int main(int argc, char** argv) {
   Flags f = Parse(argc, argv);
   g_spin = f.spin;
+  g_stats = f.stats;
   // Each round measures every transport, then perftest, with nothing of ours
   // running meanwhile (a busy poller would take a core from perftest). The
   // VM's speed drifts by tens of percent within minutes, so the ratios are
