@@ -14,7 +14,10 @@
 // --rtc keeps that one thread and polls the CQs on it (no syscall while calls
 // flow); its count includes the polls that found nothing, so it varies a
 // little from run to run. --poll without --rtc adds poller threads, which
-// callgrind counts too (their spinning is CPU the call costs). gRPC runs as its API
+// callgrind counts too (their spinning is CPU the call costs). For tcp,
+// --poll=adaptive|busy is TcpOptions::poll_mode: the same thread polls the
+// sockets with non-blocking recv() instead of waiting in epoll (no threads
+// to add, so --rtc changes nothing there). gRPC runs as its API
 // wants (server completion-queue thread, client on the main thread, its own
 // internal threads); callgrind counts all of them.
 //
@@ -68,6 +71,16 @@ namespace {
 namespace asio = boost::asio;
 using Clock = std::chrono::steady_clock;
 
+// --poll for tcp: the same three modes (TcpOptions::poll_mode).
+transport::tcp::PollMode TcpPollMode(rdma::PollMode m) {
+  switch (m) {
+    case rdma::PollMode::kAdaptive: return transport::tcp::PollMode::kAdaptive;
+    case rdma::PollMode::kBusy: return transport::tcp::PollMode::kBusy;
+    case rdma::PollMode::kEvent: break;
+  }
+  return transport::tcp::PollMode::kEvent;
+}
+
 struct Options {
   std::vector<std::string> transports = {"tcp", "grpc"};
   uint64_t calls = 20'000;
@@ -78,7 +91,8 @@ struct Options {
   bool child = false;  // Internal: one transport, measured phase instrumented.
   int alloc_trace = 0;  // Print the stacks of this many measured-phase allocations.
   std::string device, ip;
-  // rdma only: the poll mode, and run to completion (busy/adaptive).
+  // The poll mode (rdma: and run to completion, busy/adaptive; tcp: the
+  // executor's thread polls the socket, TcpOptions::poll_mode).
   rdma::PollMode poll = rdma::PollMode::kEvent;
   bool rtc = false;
   // The server answers from the generated inline fast path (EchoInline), not
@@ -95,7 +109,7 @@ struct Options {
   std::fprintf(stderr,
                "usage: cpu_per_call [--transport=tcp,rdma,grpc] [--calls=N] [--warmup=N] [--size=BYTES]\n"
                "                    [--concurrency=N] [--callgrind] [--device=NAME] [--ip=ADDR] [--alloc-trace=N]\n"
-               "                    [--poll=event|adaptive|busy] [--rtc]   (rdma: poll mode, run to completion)\n"
+               "                    [--poll=event|adaptive|busy] [--rtc]   (poll mode; rdma: run to completion)\n"
                "                    [--handler=coroutine|inline]   (the server's echo: coroutine, or inline fast path)\n"
                "                    [--io-hint=1|unsafe-io]   (tcp: the io_context's concurrency hint)\n\n"
                "Unary echo, client and server in this process. Prints heap allocations per call and,\n"
@@ -233,6 +247,8 @@ absl::StatusOr<Phase> RunRdmarpc(const Options& o, const std::string& transport)
     topts.rdma.poll_mode = o.poll;
     topts.rdma.run_to_completion = o.rtc;
     host = o.ip;
+  } else {
+    topts.tcp.poll_mode = TcpPollMode(o.poll);
   }
   // One thread runs everything. Hint 1 still locks the scheduler and each
   // descriptor; UNSAFE_IO drops the descriptor locks (safe with one thread
@@ -505,7 +521,11 @@ int main(int argc, char** argv) {
     }
     const std::string label = r.transport == "grpc" ? r.transport
                               : absl::StrCat(r.transport, o.inline_handler ? " (inline handler" : " (coroutine handler",
-                                             o.unsafe_io ? ", UNSAFE_IO)" : ")");
+                                             o.unsafe_io ? ", UNSAFE_IO" : "",
+                                             r.transport == "tcp" && o.poll != rdmarpc::rdma::PollMode::kEvent
+                                                 ? absl::StrCat(", poll=", rdmarpc::rdma::PollModeName(o.poll))
+                                                 : "",
+                                             ")");
     std::printf("| %s | %zu | %d | %llu | %s | %.2f | %llu | %.1f |\n", label.c_str(), o.size, o.concurrency,
                 static_cast<unsigned long long>(r.phase.calls), ins.c_str(),
                 static_cast<double>(r.phase.allocs) / calls, static_cast<unsigned long long>(r.phase.errors),

@@ -45,8 +45,14 @@ TransportUnderTest TcpOnLoopback(std::string name, tcp::TcpOptions options) {
 // Default options, and limits small enough that the suite also runs the
 // backend's edge paths: the read loop pausing on a full queue and resuming,
 // pooled buffers being freed and reallocated, frames at a small size limit.
+// Every poll mode (TcpOptions::poll_mode) passes the same suite; adaptive with
+// a short spin so that the suite's pauses send it back to the reactor and the
+// next bytes wake it.
 INSTANTIATE_TEST_SUITE_P(Tcp, TransportConformance,
                          ::testing::Values(TcpOnLoopback("Default", {}),
+                                           TcpOnLoopback("Busy", {.poll_mode = tcp::PollMode::kBusy}),
+                                           TcpOnLoopback("Adaptive", {.poll_mode = tcp::PollMode::kAdaptive,
+                                                                      .adaptive_spin = std::chrono::microseconds(200)}),
                                            TcpOnLoopback("TightLimits", {.max_message_size = 64 << 10,
                                                                          .max_queued_messages = 4,
                                                                          .max_queued_bytes = 16 << 10,

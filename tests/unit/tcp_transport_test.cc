@@ -305,6 +305,43 @@ TEST_F(TcpTransportTest, ConnectedSocketsWaitingForMessagesAreNotWatchedForWrita
   ExpectWorks(*client, *server, "after");
 }
 
+// TcpOptions::poll_mode: busy keeps a read pass (a non-blocking recv()) queued
+// on the connection's executor for as long as the connection lives, so that
+// executor never runs dry; adaptive keeps one only until adaptive_spin passes
+// without a byte, then waits in the reactor (the executor runs dry), and the
+// next message wakes it and polling resumes. In event mode a connection
+// waiting for a message has nothing queued.
+TEST_F(TcpTransportTest, PollModesPollFromTheExecutorBusyForeverAdaptiveUntilQuiet) {
+  for (PollMode mode : {PollMode::kEvent, PollMode::kAdaptive, PollMode::kBusy}) {
+    SCOPED_TRACE(PollModeName(mode));
+    const TcpOptions options{.poll_mode = mode, .adaptive_spin = std::chrono::milliseconds(20)};
+    auto listener = MustListen(options);
+    ASSERT_NE(listener, nullptr);
+    auto [client, server] = ConnectPair(*listener, options);
+    ASSERT_NE(client, nullptr);
+    ExpectWorks(*client, *server, "first");
+    // Right after a message, a polling connection has its next pass queued.
+    io_.restart();
+    if (mode == PollMode::kEvent) {
+      EXPECT_EQ(io_.poll(), 0u) << "an event-mode connection waiting for bytes has nothing queued";
+    } else {
+      EXPECT_GT(io_.poll_one(), 0u) << "no read pass queued after a message";
+    }
+    // Ten times adaptive_spin without traffic: does the executor run dry?
+    // (One handler at a time: poll() would never return while passes repost.)
+    bool ran_dry = false;
+    for (const auto until = Clock::now() + std::chrono::milliseconds(200); !ran_dry && Clock::now() < until;)
+      ran_dry = io_.poll_one() == 0;
+    EXPECT_EQ(ran_dry, mode != PollMode::kBusy);
+    // Woken from the reactor (adaptive, event) or found by a pass (busy).
+    ExpectWorks(*client, *server, "after the quiet spell");
+    io_.restart();
+    if (mode != PollMode::kEvent) {
+      EXPECT_GT(io_.poll_one(), 0u) << "polling did not resume after the quiet spell";
+    }
+  }
+}
+
 // A hostile length prefix ends that connection only, with a reason, and no
 // 4 GiB allocation.
 TEST_F(TcpTransportTest, OversizedFrameClosesThatConnectionOnly) {

@@ -61,6 +61,21 @@ namespace rdmarpc::transport::tcp {
 
 namespace asio = boost::asio;
 
+// How a connection learns that its socket has bytes to read.
+enum class PollMode {
+  // The reactor (epoll) wakes it: no CPU spent while idle. The default.
+  kEvent,
+  // The executor's thread polls the socket with a non-blocking recv() from a
+  // task it posts again after every pass (other handlers, timers and sockets
+  // of the io_context run in between), until `adaptive_spin` has passed
+  // without a byte, then it waits in the reactor again until the next one.
+  kAdaptive,
+  // As kAdaptive, but polling for as long as the connection lives: that
+  // thread never sleeps (give the io_context a core of its own).
+  kBusy,
+};
+const char* PollModeName(PollMode mode);
+
 struct TcpOptions {
   // Largest message either side may send. A peer's larger frame ends the
   // connection. 64 MiB: large enough for any RPC payload we expect, small
@@ -90,6 +105,14 @@ struct TcpOptions {
   // for a client on a loaded host, short enough that silent connections do
   // not pile up.
   std::chrono::milliseconds handshake_timeout{5'000};
+  // kAdaptive/kBusy take the epoll round (a wake-up, a reactor operation) out
+  // of every message, the way RDMA's run-to-completion polling takes out the
+  // completion channel: what a latency-critical deployment runs, and what a
+  // fair comparison with a spinning RDMA poller needs (docs/transport.md,
+  // "TCP polling"). An empty pass costs a recv() system call.
+  PollMode poll_mode = PollMode::kEvent;
+  // kAdaptive: how long polling goes on after the last bytes arrived.
+  std::chrono::microseconds adaptive_spin{50};
 };
 
 inline constexpr size_t kClientHelloBytes = 44;
