@@ -25,7 +25,8 @@ constexpr char kUsage[] =
     "usage: rdmarpc_bench [--transport=rdma,tcp,grpc] [--size=64,4096,65536,1048576]\n"
     "                     [--concurrency=1,32] [--mode=closed|open] [--rate=CALLS_PER_S]\n"
     "                     [--warmup=MS] [--duration=MS] [--device=NAME] [--ip=ADDR]\n"
-    "                     [--poll=busy|adaptive|event] [--rtc] [--spin] [--json] [--no-progress]\n"
+    "                     [--poll=busy|adaptive|event] [--rtc] [--tcp-poll=busy|adaptive|event]\n"
+    "                     [--spin] [--json] [--no-progress]\n"
     "                     [--handler=coroutine|inline]\n"
     "                     [--with-perftest] [--alloc-trace=N]\n"
     "                     [--role=both|server|client] [--server=HOST] [--port=7470]\n"
@@ -41,6 +42,9 @@ constexpr char kUsage[] =
     "rdma needs --device/--ip, or RXE_VM_DEV/RXE_VM_SELF_IP (set inside tools/rxe-vm).\n"
     "--rtc: rdma pollers run to completion (busy/adaptive): the event loop's thread polls\n"
     "the CQ, no poller thread.\n"
+    "--tcp-poll: the tcp rows' connections poll their sockets from the event loop's thread\n"
+    "(non-blocking recv, no epoll wake-up per message) until quiet (adaptive) or always (busy):\n"
+    "the like-for-like comparison with --poll=busy --rtc. Default event.\n"
     "--handler=inline: the rdmarpc server answers from the generated inline fast path\n"
     "(EchoInline) instead of the coroutine handler.\n";
 
@@ -107,6 +111,9 @@ Flags ParseFlags(int argc, char** argv) {
     } else if (key == "--poll") {
       if (val != "busy" && val != "adaptive" && val != "event") Usage("--poll takes busy, adaptive or event");
       f.poll = val;
+    } else if (key == "--tcp-poll") {
+      if (val != "busy" && val != "adaptive" && val != "event") Usage("--tcp-poll takes busy, adaptive or event");
+      f.tcp_poll = val;
     } else if (key == "--spin") {
       f.spin = true;
     } else if (key == "--rtc") {

@@ -48,6 +48,7 @@ struct Flags {
   std::string poll = "event";
   bool spin = false;       // Poll the io_contexts instead of sleeping in epoll (rdmarpc rows).
   bool rtc = false;        // RdmaOptions::run_to_completion (busy/adaptive).
+  std::string tcp_poll = "event";  // TcpOptions::poll_mode.
   bool inline_handler = false;  // The server answers from EchoInline (the inline fast path).
   bool json = false;
   bool perftest = false;

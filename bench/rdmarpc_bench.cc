@@ -33,6 +33,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "bench_common.h"
+#include "bench/poll_some.h"
 #include "rdmarpc/bench/echo.pb.h"
 #include "rdmarpc/bench/echo.rdmarpc.pb.h"
 #include "rpc/channel.h"
@@ -66,7 +67,7 @@ template <typename Done, typename Wake, typename Tick>
 void Drive(asio::io_context& io, bool spin, Done done, Wake wake, Tick tick) {
   if (spin) {
     while (!done()) {
-      io.poll();
+      PollSome(io);
       if (io.stopped()) io.restart();
       // wake() moves earlier when a completion frees an open-loop slot.
       if (Clock::now() >= wake()) tick();
@@ -102,6 +103,9 @@ TransportOptions MakeOptions(const Flags& f, const std::shared_ptr<rdma::RdmaCon
   o.rdma_context = ctx;
   o.rdma.poll_mode = *rdma::ParsePollMode(f.poll);
   o.rdma.run_to_completion = f.rtc;
+  o.tcp.poll_mode = f.tcp_poll == "busy"       ? transport::tcp::PollMode::kBusy
+                    : f.tcp_poll == "adaptive" ? transport::tcp::PollMode::kAdaptive
+                                               : transport::tcp::PollMode::kEvent;
   return o;
 }
 
@@ -121,7 +125,7 @@ class LocalServer {
     thread_ = std::thread([this, spin = f.spin] {
       if (!spin) return (void)io_.run();
       while (!stop_.load(std::memory_order_relaxed)) {
-        io_.poll();
+        PollSome(io_);
         if (io_.stopped()) io_.restart();
       }
     });
@@ -247,7 +251,9 @@ absl::Status RunRdmarpc(const Flags& f, const std::string& transport, const std:
   }
 
   rdmarpc::bench::Echo::Stub stub(*channel);
-  const std::string poll = transport == "rdma" ? f.poll + (f.rtc ? "+rtc" : "") : "-";
+  const std::string poll = transport == "rdma" ? f.poll + (f.rtc ? "+rtc" : "")
+                           : transport == "tcp" && f.tcp_poll != "event" ? f.tcp_poll
+                                                                       : "-";
   for (size_t size : f.sizes) {
     for (int conc : f.concurrency) {
       struct Slot {
@@ -295,7 +301,7 @@ void PrintTable(FILE* out, const std::vector<Row>& rows) {
                "rps | Gb/s | client CPU%% | server CPU%% | process CPU%% | CPU us/call | allocs/call |\n"
                "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n");
   for (const auto& r : rows) {
-    std::string name = r.transport + (r.transport == "rdma" ? "/" + r.poll : "");
+    std::string name = r.transport + (r.poll != "-" ? "/" + r.poll : "");
     std::fprintf(out, "| %s | %zu | %s | %d | %llu | %s | %s | %s | %s | %s | %.0f | %.3f | %s | %s | %s | %s | %s |%s\n",
                  name.c_str(), r.size, r.mode == Mode::kOpen ? absl::StrCat("open@", r.rate).c_str() : "closed",
                  r.concurrency, static_cast<unsigned long long>(r.count), Fmt(r.p50).c_str(), Fmt(r.p90).c_str(),

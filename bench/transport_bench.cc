@@ -37,6 +37,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
 #include "bench/perftest.h"
+#include "bench/poll_some.h"
 #include "transport/rdma/rdma_transport.h"
 #include "transport/tcp/tcp_transport.h"
 
@@ -272,7 +273,7 @@ bool RunUntil(asio::io_context& io, Pred done, std::chrono::seconds limit = std:
   for (unsigned round = 1; !done(); ++round) {
     if (round % 256 == 0 && Clock::now() >= deadline) break;
     if (g_spin) {
-      io.poll();
+      rdmarpc::bench::PollSome(io);
     } else if (io.poll_one() == 0) {
       io.run_one_for(std::chrono::milliseconds(50));
     }
@@ -451,7 +452,7 @@ absl::Status RunTransport(const std::string& name, const Flags& f, std::vector<R
   server.thread = std::thread([&] {
     if (!f.spin) return (void)server.io.run();
     while (!server_stop.load(std::memory_order_relaxed)) {
-      server.io.poll();
+      rdmarpc::bench::PollSome(server.io);
       if (server.io.stopped()) server.io.restart();
     }
   });
