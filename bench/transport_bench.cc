@@ -162,7 +162,8 @@ bool g_stats = false;
 struct CpuCounts {
   std::array<uint32_t, 16> n{};
   void Note() {
-    if (g_stats) ++n[static_cast<unsigned>(sched_getcpu()) % n.size()];
+    if (!g_stats) return;
+    if (const int cpu = sched_getcpu(); cpu >= 0) ++n[static_cast<unsigned>(cpu) % n.size()];
   }
   std::string Take() {
     std::string out;
