@@ -2,6 +2,7 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <span>
 #include <string>
 #include <utility>
@@ -29,42 +30,38 @@ class ResponsePayload {
   ResponsePayload() = default;
   ResponsePayload(transport::Message message, std::span<const std::byte> bytes)
       : message_(std::move(message)), bytes_(bytes) {}
-  explicit ResponsePayload(std::string owned) : owned_(std::move(owned)), is_owned_(true) {}
+  // Owned bytes sit behind a pointer: a payload moves several times a call,
+  // and a std::string member would be moved (SSO copy and reset) each time
+  // for a case only mocks use.
+  explicit ResponsePayload(std::string owned)
+      : owned_(std::make_unique<std::string>(std::move(owned))),
+        bytes_(std::as_bytes(std::span<const char>(owned_->data(), owned_->size()))) {}
   ResponsePayload(ResponsePayload&& o) noexcept
-      : message_(std::move(o.message_)), owned_(std::move(o.owned_)), bytes_(o.bytes_), is_owned_(o.is_owned_) {
-    o.Reset();
-  }
+      : message_(std::move(o.message_)), owned_(std::move(o.owned_)), bytes_(std::exchange(o.bytes_, {})) {}
   ResponsePayload& operator=(ResponsePayload&& o) noexcept {
     if (this != &o) {
       message_ = std::move(o.message_);
       owned_ = std::move(o.owned_);
-      bytes_ = o.bytes_;
-      is_owned_ = o.is_owned_;
-      o.Reset();
+      bytes_ = std::exchange(o.bytes_, {});
     }
     return *this;
   }
 
-  std::span<const std::byte> bytes() const {
-    return is_owned_ ? std::as_bytes(std::span<const char>(owned_.data(), owned_.size())) : bytes_;
-  }
+  std::span<const std::byte> bytes() const { return bytes_; }
   // Parses into `out`; false if the bytes are not a valid `out`.
   bool ParseTo(google::protobuf::MessageLite& out) const {
-    auto b = bytes();
-    return out.ParseFromArray(b.data(), static_cast<int>(b.size()));
+    return out.ParseFromArray(bytes_.data(), static_cast<int>(bytes_.size()));
   }
   void Reset() {
     message_.Reset();
-    owned_.clear();
+    owned_.reset();
     bytes_ = {};
-    is_owned_ = false;
   }
 
  private:
   transport::Message message_;
-  std::string owned_;
+  std::unique_ptr<std::string> owned_;  // mocks' bytes; bytes_ points into it
   std::span<const std::byte> bytes_;
-  bool is_owned_ = false;
 };
 
 // Invoked exactly once per call, on the channel's executor and never inside

@@ -1,7 +1,9 @@
 #include "transport/tcp/tcp_transport.h"
 
 #include <sys/socket.h>
+#include <sys/syscall.h>
 #include <sys/uio.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <array>
@@ -45,6 +47,16 @@ namespace {
 using asio::ip::tcp;
 using boost::system::error_code;
 using ConnectResult = absl::StatusOr<std::unique_ptr<Connection>>;
+
+// recv() and sendmsg() as bare system calls. libc's wrappers are
+// cancellation points: in a process with more than one thread each call
+// switches asynchronous cancellation on and off around the syscall (~70
+// instructions, four to six calls a unary call in busy mode, docs/benchmarks.md).
+// A transport's read and write are no place for pthread_cancel anyway.
+ssize_t RecvNow(int fd, std::byte* buf, size_t len) {
+  return ::syscall(SYS_recvfrom, fd, buf, len, MSG_DONTWAIT, nullptr, nullptr);
+}
+ssize_t SendmsgNow(int fd, const msghdr* msg) { return ::syscall(SYS_sendmsg, fd, msg, MSG_NOSIGNAL | MSG_DONTWAIT); }
 
 // Frame header: the payload length, 32-bit little-endian.
 constexpr size_t kHeaderBytes = 4;
@@ -521,7 +533,7 @@ class ConnectionCore final : public std::enable_shared_from_this<ConnectionCore>
       spinning_ = false;  // Quiet for adaptive_spin: back to the reactor.
       return ReadLoop();
     }
-    const ssize_t n = ::recv(socket_.native_handle(), rbuf_ + rend_, kReadBuffer - rend_, MSG_DONTWAIT);
+    const ssize_t n = RecvNow(socket_.native_handle(), rbuf_ + rend_, kReadBuffer - rend_);
     if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
       if (quiet_passes_++ == 0) quiet_since_ = std::chrono::steady_clock::now();
       return PostReadPass();
@@ -550,7 +562,7 @@ class ConnectionCore final : public std::enable_shared_from_this<ConnectionCore>
     rend_ = left;
   }
 
-  void OnReadable() { OnRecv(::recv(socket_.native_handle(), rbuf_ + rend_, kReadBuffer - rend_, MSG_DONTWAIT)); }
+  void OnReadable() { OnRecv(RecvNow(socket_.native_handle(), rbuf_ + rend_, kReadBuffer - rend_)); }
 
   // What recv() returned: bytes to frame, the peer's EOF, or an error.
   void OnRecv(ssize_t n) {
@@ -728,7 +740,7 @@ class ConnectionCore final : public std::enable_shared_from_this<ConnectionCore>
       msghdr msg{};
       msg.msg_iov = vec.data();
       msg.msg_iovlen = n;
-      const ssize_t w = ::sendmsg(socket_.native_handle(), &msg, MSG_NOSIGNAL | MSG_DONTWAIT);
+      const ssize_t w = SendmsgNow(socket_.native_handle(), &msg);
       if (w >= 0 && static_cast<size_t>(w) == total) {
         if (send_queue_.empty()) return OnWrittenNow();
         ReleaseBatch();
@@ -1179,6 +1191,13 @@ const char* PollModeName(PollMode mode) {
     case PollMode::kBusy: return "busy";
   }
   return "unknown";
+}
+
+absl::StatusOr<PollMode> ParsePollMode(absl::string_view name) {
+  if (name == "event") return PollMode::kEvent;
+  if (name == "adaptive") return PollMode::kAdaptive;
+  if (name == "busy") return PollMode::kBusy;
+  return absl::InvalidArgumentError(absl::StrCat("unknown tcp poll mode '", name, "' (event|adaptive|busy)"));
 }
 
 absl::StatusOr<std::string> EncodeClientHello(const std::string& auth_token, uint32_t max_message) {
