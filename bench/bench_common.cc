@@ -14,6 +14,8 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
+#include "transport/rdma/rdma_transport.h"
+#include "transport/tcp/tcp_transport.h"
 
 namespace rdmarpc::bench {
 
@@ -109,10 +111,10 @@ Flags ParseFlags(int argc, char** argv) {
     } else if (key == "--ip") {
       f.ip = val;
     } else if (key == "--poll") {
-      if (val != "busy" && val != "adaptive" && val != "event") Usage("--poll takes busy, adaptive or event");
+      if (auto m = rdma::ParsePollMode(val); !m.ok()) Usage("--poll: " + std::string(m.status().message()));
       f.poll = val;
     } else if (key == "--tcp-poll") {
-      if (val != "busy" && val != "adaptive" && val != "event") Usage("--tcp-poll takes busy, adaptive or event");
+      if (auto m = transport::tcp::ParsePollMode(val); !m.ok()) Usage("--tcp-poll: " + std::string(m.status().message()));
       f.tcp_poll = val;
     } else if (key == "--spin") {
       f.spin = true;

@@ -71,16 +71,6 @@ namespace {
 namespace asio = boost::asio;
 using Clock = std::chrono::steady_clock;
 
-// --poll for tcp: the same three modes (TcpOptions::poll_mode).
-transport::tcp::PollMode TcpPollMode(rdma::PollMode m) {
-  switch (m) {
-    case rdma::PollMode::kAdaptive: return transport::tcp::PollMode::kAdaptive;
-    case rdma::PollMode::kBusy: return transport::tcp::PollMode::kBusy;
-    case rdma::PollMode::kEvent: break;
-  }
-  return transport::tcp::PollMode::kEvent;
-}
-
 struct Options {
   std::vector<std::string> transports = {"tcp", "grpc"};
   uint64_t calls = 20'000;
@@ -248,7 +238,7 @@ absl::StatusOr<Phase> RunRdmarpc(const Options& o, const std::string& transport)
     topts.rdma.run_to_completion = o.rtc;
     host = o.ip;
   } else {
-    topts.tcp.poll_mode = TcpPollMode(o.poll);
+    topts.tcp.poll_mode = *transport::tcp::ParsePollMode(rdma::PollModeName(o.poll));  // same three names
   }
   // One thread runs everything. Hint 1 still locks the scheduler and each
   // descriptor; UNSAFE_IO drops the descriptor locks (safe with one thread

@@ -103,9 +103,7 @@ TransportOptions MakeOptions(const Flags& f, const std::shared_ptr<rdma::RdmaCon
   o.rdma_context = ctx;
   o.rdma.poll_mode = *rdma::ParsePollMode(f.poll);
   o.rdma.run_to_completion = f.rtc;
-  o.tcp.poll_mode = f.tcp_poll == "busy"       ? transport::tcp::PollMode::kBusy
-                    : f.tcp_poll == "adaptive" ? transport::tcp::PollMode::kAdaptive
-                                               : transport::tcp::PollMode::kEvent;
+  o.tcp.poll_mode = *transport::tcp::ParsePollMode(f.tcp_poll);  // checked by ParseFlags
   return o;
 }
 

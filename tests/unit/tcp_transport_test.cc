@@ -305,6 +305,22 @@ TEST_F(TcpTransportTest, ConnectedSocketsWaitingForMessagesAreNotWatchedForWrita
   ExpectWorks(*client, *server, "after");
 }
 
+// The names flags and configuration use: each mode round-trips through its
+// name, and a wrong name is refused with the choices in the message.
+TEST(TcpPollModeTest, ParsesItsOwnNamesAndRefusesOthers) {
+  for (PollMode mode : {PollMode::kEvent, PollMode::kAdaptive, PollMode::kBusy}) {
+    auto parsed = ParsePollMode(PollModeName(mode));
+    ASSERT_TRUE(parsed.ok()) << parsed.status();
+    EXPECT_EQ(*parsed, mode);
+  }
+  for (const char* bad : {"", "Busy", "spin", "event "}) {
+    auto parsed = ParsePollMode(bad);
+    ASSERT_FALSE(parsed.ok()) << "'" << bad << "' accepted";
+    EXPECT_EQ(parsed.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_NE(parsed.status().message().find("event|adaptive|busy"), std::string::npos) << parsed.status();
+  }
+}
+
 // TcpOptions::poll_mode: busy keeps a read pass (a non-blocking recv()) queued
 // on the connection's executor for as long as the connection lives, so that
 // executor never runs dry; adaptive keeps one only until adaptive_spin passes

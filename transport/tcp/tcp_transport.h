@@ -55,6 +55,7 @@
 #include <boost/asio/async_result.hpp>
 
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "transport/transport.h"
 
 namespace rdmarpc::transport::tcp {
@@ -75,6 +76,8 @@ enum class PollMode {
   kBusy,
 };
 const char* PollModeName(PollMode mode);
+// "event", "adaptive" or "busy"; anything else is an error naming the choices.
+absl::StatusOr<PollMode> ParsePollMode(absl::string_view name);
 
 struct TcpOptions {
   // Largest message either side may send. A peer's larger frame ends the
