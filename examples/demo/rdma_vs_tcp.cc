@@ -5,11 +5,18 @@
 //     rdmarpc.examples.Echo) over rdma:// and tcp://: what the framework
 //     adds on top.
 //
-// Both transports run in this process, client and server on separate threads,
-// each side busy-polling (RDMA) or blocking in recv (TCP): the shape a
-// latency-sensitive service has. Absolute numbers inside the Soft-RoCE VM mean
-// nothing; the RDMA/TCP ratio of one run does (and exaggerates what real NICs
-// show, see README "Without RDMA hardware").
+// Both transports run in this process. The raw ping-pong has client and server
+// on separate threads; RDMA busy-polls its completion queue, TCP either blocks
+// in recv() (row "tcp", what most TCP code does) or spins on a non-blocking
+// recv() (row "tcp-spin", like for like with RDMA's polling). The RPCs run
+// client and server on one io_context thread, first with both transports
+// event-driven (rows "rpc-rdma", "rpc-tcp": the thread sleeps between
+// messages), then with both spinning (rows ending "-busy": RDMA busy polling
+// run to completion, TCP busy polling, TcpOptions::poll_mode). Compare rows
+// that wait the same way: the wake-up of a sleeping thread costs more than
+// either transport, inside the VM most of all. Absolute numbers inside the
+// Soft-RoCE VM mean nothing; the RDMA/TCP ratio of one run does (and
+// exaggerates what real NICs show, see README "Without RDMA hardware").
 //
 //   rdmarpc_demo [--device rxe0] [--ip 10.77.0.1] [--iters 2000] [--sizes 64,4096]
 #include <boost/asio/as_tuple.hpp>
@@ -21,8 +28,11 @@
 #include <boost/asio/read.hpp>
 #include <boost/asio/write.hpp>
 
+#include <sys/socket.h>
+
 #include <algorithm>
 #include <atomic>
+#include <cerrno>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -37,6 +47,8 @@
 #include "rpc/channel.h"
 #include "rpc/server.h"
 #include "transport/rdma/rc_link.h"
+#include "transport/rdma/rdma_transport.h"
+#include "transport/tcp/tcp_transport.h"
 
 namespace asio = boost::asio;
 using Clock = std::chrono::steady_clock;
@@ -164,7 +176,31 @@ absl::Status RunRdma(const Options& opt, std::vector<Row>& rows) {
   return absl::OkStatus();
 }
 
-absl::Status RunTcp(const Options& opt, std::vector<Row>& rows) {
+// Reads exactly buf.size() bytes: blocking in recv(), or spinning on a
+// non-blocking one.
+void ReadAll(asio::ip::tcp::socket& s, asio::mutable_buffer buf, bool spin, boost::system::error_code& ec) {
+  if (!spin) {
+    asio::read(s, buf, ec);
+    return;
+  }
+  auto* p = static_cast<char*>(buf.data());
+  size_t left = buf.size();
+  while (left > 0) {
+    const ssize_t n = ::recv(s.native_handle(), p, left, MSG_DONTWAIT);
+    if (n > 0) {
+      p += n;
+      left -= static_cast<size_t>(n);
+    } else if (n == 0) {
+      ec = asio::error::eof;
+      return;
+    } else if (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR) {
+      ec = boost::system::error_code(errno, boost::system::system_category());
+      return;
+    }
+  }
+}
+
+absl::Status RunTcp(const Options& opt, bool spin, std::vector<Row>& rows) {
   using asio::ip::tcp;
   asio::io_context io;
   tcp::acceptor acceptor(io, tcp::endpoint(asio::ip::make_address("127.0.0.1"), 0));
@@ -179,8 +215,8 @@ absl::Status RunTcp(const Options& opt, std::vector<Row>& rows) {
     boost::system::error_code ec;
     for (int i = 0; i < total; ++i) {
       uint32_t len = 0;
-      asio::read(server, asio::buffer(&len, 4), ec);
-      if (!ec) asio::read(server, asio::buffer(buf.data(), len), ec);
+      ReadAll(server, asio::buffer(&len, 4), spin, ec);
+      if (!ec) ReadAll(server, asio::buffer(buf.data(), len), spin, ec);
       std::array<asio::const_buffer, 2> out{asio::buffer(&len, 4), asio::buffer(buf.data(), len)};
       if (!ec) asio::write(server, out, ec);
       if (ec) return;
@@ -189,15 +225,15 @@ absl::Status RunTcp(const Options& opt, std::vector<Row>& rows) {
   std::vector<char> msg(1 << 20, 0x5a), in(1 << 20);
   absl::Status result;
   for (size_t size : opt.sizes) {
-    Row row{"tcp", size, {}};
+    Row row{spin ? "tcp-spin" : "tcp", size, {}};
     for (int i = -100; i < opt.iters && result.ok(); ++i) {
       uint32_t len = static_cast<uint32_t>(size), back = 0;
       auto t0 = Clock::now();
       std::array<asio::const_buffer, 2> out{asio::buffer(&len, 4), asio::buffer(msg.data(), size)};
       boost::system::error_code ec;
       asio::write(client, out, ec);
-      if (!ec) asio::read(client, asio::buffer(&back, 4), ec);
-      if (!ec) asio::read(client, asio::buffer(in.data(), back), ec);
+      if (!ec) ReadAll(client, asio::buffer(&back, 4), spin, ec);
+      if (!ec) ReadAll(client, asio::buffer(in.data(), back), spin, ec);
       auto t1 = Clock::now();
       if (ec || back != len) result = absl::UnavailableError("TCP ping-pong failed: " + ec.message());
       if (i >= 0) row.us.push_back(std::chrono::duration<double, std::micro>(t1 - t0).count());
@@ -218,18 +254,27 @@ class EchoImpl final : public rdmarpc::examples::Echo::Service {
 };
 
 // Unary echo RPCs through the generated stub, server and client on one
-// io_context thread (event-driven completions: no spinning thread).
-absl::Status RunRpc(const Options& opt, const std::string& scheme, std::vector<Row>& rows) {
+// io_context thread: event-driven (the thread sleeps in epoll between
+// messages), or busy (the thread polls the CQs, RDMA run to completion, or the
+// sockets, TCP busy polling, and never sleeps).
+absl::Status RunRpc(const Options& opt, const std::string& scheme, bool busy, std::vector<Row>& rows) {
   asio::io_context io;
   EchoImpl service;
+  rdmarpc::TransportOptions topts;
+  topts.rdma_device.name = opt.device;
+  if (busy) {
+    topts.rdma.poll_mode = rdmarpc::rdma::PollMode::kBusy;
+    topts.rdma.run_to_completion = true;
+    topts.tcp.poll_mode = rdmarpc::transport::tcp::PollMode::kBusy;
+  }
   rdmarpc::ServerOptions so;
   so.listen = {scheme + "://" + (scheme == "tcp" ? std::string("127.0.0.1") : opt.ip) + ":0"};
-  so.transport.rdma_device.name = opt.device;
+  so.transport = topts;
   rdmarpc::Server server(io.get_executor(), so);
   if (auto st = server.AddService(service); !st.ok()) return st.ToAbsl();
   if (auto st = server.Start(); !st.ok()) return st.ToAbsl();
   rdmarpc::ChannelOptions co;
-  co.transport.rdma_device.name = opt.device;
+  co.transport = topts;
   auto channel = rdmarpc::Channel::Create(io.get_executor(), server.local_uris().at(0), co);
   if (!channel.ok()) return channel.status();
   rdmarpc::examples::Echo::Stub stub(*channel);
@@ -238,7 +283,7 @@ absl::Status RunRpc(const Options& opt, const std::string& scheme, std::vector<R
       io,
       [&]() -> asio::awaitable<void> {
         for (size_t size : opt.sizes) {
-          Row row{"rpc-" + scheme, size, {}};
+          Row row{"rpc-" + scheme + (busy ? "-busy" : ""), size, {}};
           rdmarpc::examples::EchoRequest req;
           req.set_payload(std::string(size, 'r'));
           rdmarpc::examples::EchoReply reply;
@@ -266,7 +311,8 @@ absl::Status RunRpc(const Options& opt, const std::string& scheme, std::vector<R
           }
         }
         (*channel)->Close();
-        server.async_shutdown(std::chrono::seconds(1), [] {});
+        // A busy-polling thread never runs out of work by itself.
+        server.async_shutdown(std::chrono::seconds(1), [&io] { io.stop(); });
       });
   io.run();
   return result;
@@ -316,26 +362,43 @@ int main(int argc, char** argv) {
   };
   phase("raw RDMA SEND/RECV ping-pong");
   if (auto st = RunRdma(opt, rows); !st.ok()) return Fail("RDMA: " + st.ToString());
-  phase("raw TCP ping-pong");
-  if (auto st = RunTcp(opt, rows); !st.ok()) return Fail("TCP: " + st.ToString());
-  phase("echo RPCs over rdma://");
-  if (auto st = RunRpc(opt, "rdma", rows); !st.ok()) return Fail("RPC over rdma://: " + st.ToString());
-  phase("echo RPCs over tcp://");
-  if (auto st = RunRpc(opt, "tcp", rows); !st.ok()) return Fail("RPC over tcp://: " + st.ToString());
+  phase("raw TCP ping-pong, blocking recv()");
+  if (auto st = RunTcp(opt, false, rows); !st.ok()) return Fail("TCP: " + st.ToString());
+  phase("raw TCP ping-pong, spinning on a non-blocking recv()");
+  if (auto st = RunTcp(opt, true, rows); !st.ok()) return Fail("TCP (spinning): " + st.ToString());
+  for (bool busy : {false, true}) {
+    phase(busy ? "echo RPCs over rdma://, busy polling (run to completion)" : "echo RPCs over rdma://, event-driven");
+    if (auto st = RunRpc(opt, "rdma", busy, rows); !st.ok()) return Fail("RPC over rdma://: " + st.ToString());
+    phase(busy ? "echo RPCs over tcp://, busy polling" : "echo RPCs over tcp://, event-driven");
+    if (auto st = RunRpc(opt, "tcp", busy, rows); !st.ok()) return Fail("RPC over tcp://: " + st.ToString());
+  }
 
-  std::printf("\n%-8s %8s %8s %10s %10s %10s\n", "", "size_B", "iters", "p50_us", "p99_us", "max_us");
+  std::printf("\n%-13s %8s %8s %10s %10s %10s\n", "", "size_B", "iters", "p50_us", "p99_us", "max_us");
   for (auto& r : rows) {
     double p50 = Pct(r.us, 0.50), p99 = Pct(r.us, 0.99), mx = r.us.back();
-    std::printf("%-8s %8zu %8zu %10.1f %10.1f %10.1f\n", r.transport.c_str(), r.size, r.us.size(), p50, p99, mx);
+    std::printf("%-13s %8zu %8zu %10.1f %10.1f %10.1f\n", r.transport.c_str(), r.size, r.us.size(), p50, p99, mx);
   }
+  // Rows: rdma, tcp, tcp-spin, rpc-rdma, rpc-tcp, rpc-rdma-busy, rpc-tcp-busy;
+  // each a block of one row per size.
   const size_t n = opt.sizes.size();
-  for (size_t base : {size_t{0}, 2 * n}) {
-    std::printf(base == 0 ? "\nraw ping-pong, TCP/RDMA (P50):" : "\nrdmarpc echo RPC, tcp:// / rdma:// (P50):");
+  struct Ratio {
+    const char* what;
+    size_t tcp_block, rdma_block;
+  };
+  const Ratio ratios[] = {
+      {"raw ping-pong P50, tcp (blocking recv) / rdma (busy poll):", 1, 0},
+      {"raw ping-pong P50, tcp-spin / rdma, both spinning:", 2, 0},
+      {"echo RPC P50, tcp:// / rdma://, both event-driven:", 4, 3},
+      {"echo RPC P50, tcp:// / rdma://, both busy polling:", 6, 5},
+  };
+  std::printf("\n");
+  for (const Ratio& r : ratios) {
+    std::printf("%s", r.what);
     for (size_t i = 0; i < n; ++i) {
-      double rdma = Pct(rows[base + i].us, 0.5), tcp = Pct(rows[base + n + i].us, 0.5);
+      double rdma = Pct(rows[r.rdma_block * n + i].us, 0.5), tcp = Pct(rows[r.tcp_block * n + i].us, 0.5);
       std::printf("  %zu B: %.2fx", opt.sizes[i], tcp / rdma);
     }
+    std::printf("\n");
   }
-  std::printf("\n");
   return 0;
 }
