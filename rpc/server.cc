@@ -542,7 +542,7 @@ void Server::Impl::OnRequest(const std::shared_ptr<Conn>& conn, Message message,
   const uint64_t id = f.header.call_id;
   const Clock::time_point now = Clock::now();
   ++stats_.calls_started;
-  if (conn->calls.contains(id)) {
+  if (!conn->calls.empty() && conn->calls.contains(id)) {  // empty: no hash (inline calls never enter it)
     ++stats_.bad_frames;
     RDMARPC_LOG(kWarn, "server", "event=bad_frame peer=", conn->peer, " error=\"call id ", id,
                 " reused while in flight\" action=close_connection");

@@ -57,6 +57,9 @@ ssize_t RecvNow(int fd, std::byte* buf, size_t len) {
   return ::syscall(SYS_recvfrom, fd, buf, len, MSG_DONTWAIT, nullptr, nullptr);
 }
 ssize_t SendmsgNow(int fd, const msghdr* msg) { return ::syscall(SYS_sendmsg, fd, msg, MSG_NOSIGNAL | MSG_DONTWAIT); }
+ssize_t SendNow(int fd, const std::byte* buf, size_t len) {
+  return ::syscall(SYS_sendto, fd, buf, len, MSG_NOSIGNAL | MSG_DONTWAIT, nullptr, 0);
+}
 
 // Frame header: the payload length, 32-bit little-endian.
 constexpr size_t kHeaderBytes = 4;
@@ -365,6 +368,7 @@ class ConnectionCore final : public std::enable_shared_from_this<ConnectionCore>
     const size_t size = buffer.size();
     const uint64_t token = buffer.Detach();
     EncodeLength(static_cast<uint32_t>(size), pool_.memory(token) + kSendPrefix - kHeaderBytes);
+    if (!writing_ && send_queue_.empty()) return SendOne(PendingSend{token, size, std::move(handler)});
     send_queue_.push_back(PendingSend{token, size, std::move(handler)});
     if (!writing_) WriteBatch();
   }
@@ -756,12 +760,42 @@ class ConnectionCore final : public std::enable_shared_from_this<ConnectionCore>
       size_t first = 0;
       while (skip >= iov_[first].size()) skip -= iov_[first++].size();
       iov_[first] += skip;
-      asio::async_write(socket_, BufferView{iov_.data() + first, iov_.data() + n},
-                        transport::WithOpMemory(write_memory_, [self = shared_from_this()](error_code ec, size_t) {
-                          self->OnWritten(ec);
-                        }));
+      return WriteRest(first, n);
+    }
+  }
+
+  // One frame with nothing queued or in flight before it (a unary call's
+  // request or response, usually): one send() straight from its buffer,
+  // without WriteBatch's gather bookkeeping (~100 instructions a message
+  // less, bench/cpu_per_call). A frame the socket does not take whole is
+  // WriteBatch's case again, or async_write's for the rest of it.
+  void SendOne(PendingSend s) {
+    const std::byte* frame = pool_.memory(s.token) + kSendPrefix - kHeaderBytes;
+    const size_t total = kHeaderBytes + s.size;
+    const ssize_t w = SendNow(socket_.native_handle(), frame, total);
+    if (w >= 0 && static_cast<size_t>(w) == total) {
+      Sent(s);
+      ScheduleCompleteWritten();
       return;
     }
+    if (w <= 0) {
+      // Nothing taken (or an error): WriteBatch tries once more, and fails
+      // the connection with the error if there is one.
+      send_queue_.push_back(std::move(s));
+      return WriteBatch();
+    }
+    writing_ = true;
+    in_flight_.push_back(std::move(s));
+    iov_[0] = asio::const_buffer(frame + w, total - static_cast<size_t>(w));
+    WriteRest(0, 1);
+  }
+
+  // async_write of iov_[first, n), the rest of the frames in in_flight_.
+  void WriteRest(size_t first, size_t n) {
+    asio::async_write(socket_, BufferView{iov_.data() + first, iov_.data() + n},
+                      transport::WithOpMemory(write_memory_, [self = shared_from_this()](error_code ec, size_t) {
+                        self->OnWritten(ec);
+                      }));
   }
 
   // The batch left with sendmsg() (or failed): the socket is free again, the
@@ -769,6 +803,12 @@ class ConnectionCore final : public std::enable_shared_from_this<ConnectionCore>
   void OnWrittenNow() {
     ReleaseBatch();
     writing_ = false;
+    ScheduleCompleteWritten();
+  }
+
+  // Written sends' handlers run at the end of the read handler we are in,
+  // or from one posted operation.
+  void ScheduleCompleteWritten() {
     if (!in_read_handler_ && !complete_posted_) {
       complete_posted_ = true;
       asio::post(ex_, transport::WithOpMemory(complete_memory_, [self = shared_from_this()] {
@@ -781,16 +821,20 @@ class ConnectionCore final : public std::enable_shared_from_this<ConnectionCore>
   // The batch is written (or failed): its buffers go back, its handlers wait
   // in written_ for CompleteWritten (untracked sends only count).
   void ReleaseBatch() {
-    for (PendingSend& s : in_flight_) {
-      pool_.Release(s.token);
-      if (s.handler) {
-        written_.push_back(std::move(s));
-      } else {
-        ++untracked_written_;
-        untracked_written_bytes_ += s.size;
-      }
-    }
+    for (PendingSend& s : in_flight_) Sent(s);
     in_flight_.clear();
+  }
+
+  // One send is written: its buffer goes back, its handler (if any) waits in
+  // written_.
+  void Sent(PendingSend& s) {
+    pool_.Release(s.token);
+    if (s.handler) {
+      written_.push_back(std::move(s));
+    } else {
+      ++untracked_written_;
+      untracked_written_bytes_ += s.size;
+    }
   }
 
   bool HasWritten() const { return !written_.empty() || untracked_written_ != 0; }
