@@ -9,10 +9,10 @@
 // on separate threads; RDMA busy-polls its completion queue, TCP either blocks
 // in recv() (row "tcp", what most TCP code does) or spins on a non-blocking
 // recv() (row "tcp-spin", like for like with RDMA's polling). The RPCs run
-// client and server on one io_context thread, first with both transports
-// event-driven (rows "rpc-rdma", "rpc-tcp": the thread sleeps between
-// messages), then with both spinning (rows ending "-busy": RDMA busy polling
-// run to completion, TCP busy polling, TcpOptions::poll_mode). Compare rows
+// client and server each on its own thread and io_context, first with both
+// transports event-driven (rows "rpc-rdma", "rpc-tcp": the threads sleep
+// between messages), then with both spinning (rows ending "-busy": RDMA busy
+// polling run to completion, TCP busy polling, TcpOptions::poll_mode). Compare rows
 // that wait the same way: the wake-up of a sleeping thread costs more than
 // either transport, inside the VM most of all. Absolute numbers inside the
 // Soft-RoCE VM mean nothing; the RDMA/TCP ratio of one run does (and
@@ -253,12 +253,14 @@ class EchoImpl final : public rdmarpc::examples::Echo::Service {
   }
 };
 
-// Unary echo RPCs through the generated stub, server and client on one
-// io_context thread: event-driven (the thread sleeps in epoll between
-// messages), or busy (the thread polls the CQs, RDMA run to completion, or the
-// sockets, TCP busy polling, and never sleeps).
+// Unary echo RPCs through the generated stub, client and server each on its
+// own thread and io_context (as two processes would be): event-driven (each
+// thread sleeps in epoll between messages), or busy (each thread polls its
+// CQ, RDMA run to completion, or its socket, TCP busy polling, and never
+// sleeps).
 absl::Status RunRpc(const Options& opt, const std::string& scheme, bool busy, std::vector<Row>& rows) {
-  asio::io_context io;
+  asio::io_context io;   // the client's: this thread
+  asio::io_context sio;  // the server's: its own thread
   EchoImpl service;
   rdmarpc::TransportOptions topts;
   topts.rdma_device.name = opt.device;
@@ -270,7 +272,7 @@ absl::Status RunRpc(const Options& opt, const std::string& scheme, bool busy, st
   rdmarpc::ServerOptions so;
   so.listen = {scheme + "://" + (scheme == "tcp" ? std::string("127.0.0.1") : opt.ip) + ":0"};
   so.transport = topts;
-  rdmarpc::Server server(io.get_executor(), so);
+  rdmarpc::Server server(sio.get_executor(), so);
   if (auto st = server.AddService(service); !st.ok()) return st.ToAbsl();
   if (auto st = server.Start(); !st.ok()) return st.ToAbsl();
   rdmarpc::ChannelOptions co;
@@ -278,6 +280,8 @@ absl::Status RunRpc(const Options& opt, const std::string& scheme, bool busy, st
   auto channel = rdmarpc::Channel::Create(io.get_executor(), server.local_uris().at(0), co);
   if (!channel.ok()) return channel.status();
   rdmarpc::examples::Echo::Stub stub(*channel);
+  auto server_work = asio::make_work_guard(sio);
+  std::thread server_thread([&sio] { sio.run(); });
   absl::Status result;
   asio::co_spawn(
       io,
@@ -311,10 +315,18 @@ absl::Status RunRpc(const Options& opt, const std::string& scheme, bool busy, st
           }
         }
         (*channel)->Close();
-        // A busy-polling thread never runs out of work by itself.
-        server.async_shutdown(std::chrono::seconds(1), [&io] { io.stop(); });
+        // A busy-polling thread never runs out of work by itself: both stop
+        // when the server has shut down.
+        asio::post(sio, [&] {
+          server.async_shutdown(std::chrono::seconds(1), [&] {
+            server_work.reset();
+            sio.stop();
+            io.stop();
+          });
+        });
       });
   io.run();
+  server_thread.join();
   return result;
 }
 

@@ -50,8 +50,8 @@ using ConnectResult = absl::StatusOr<std::unique_ptr<Connection>>;
 
 // recv() and sendmsg() as bare system calls. libc's wrappers are
 // cancellation points: in a process with more than one thread each call
-// switches asynchronous cancellation on and off around the syscall (~70
-// instructions, four to six calls a unary call in busy mode, docs/benchmarks.md).
+// switches asynchronous cancellation on and off around the syscall (~36
+// instructions each, four such calls a unary call, docs/benchmarks.md).
 // A transport's read and write are no place for pthread_cancel anyway.
 ssize_t RecvNow(int fd, std::byte* buf, size_t len) {
   return ::syscall(SYS_recvfrom, fd, buf, len, MSG_DONTWAIT, nullptr, nullptr);
