@@ -48,7 +48,7 @@ using asio::ip::tcp;
 using boost::system::error_code;
 using ConnectResult = absl::StatusOr<std::unique_ptr<Connection>>;
 
-// recv() and sendmsg() as bare system calls. libc's wrappers are
+// recv(), send() and sendmsg() as bare system calls. libc's wrappers are
 // cancellation points: in a process with more than one thread each call
 // switches asynchronous cancellation on and off around the syscall (~36
 // instructions each, four such calls a unary call, docs/benchmarks.md).
