@@ -7,7 +7,9 @@
 //  - Header: a decoded header re-encodes to the input's first 16 bytes exactly
 //    (magic, version and reserved bits are fixed, so the encoding is
 //    canonical); the body size agrees with the type (DATA: length, CTS: one
-//    grant that decodes, RTS/CREDIT: none).
+//    grant that decodes, RTS/CREDIT: none). The inline DATA decode
+//    (DecodeDataHeader) takes exactly the frames DecodeHeader decodes as
+//    DATA, with the same fields.
 //  - Grant: decodes exactly when the body is 16 bytes, and re-encodes to it.
 //  - Hello: decodes only from >= 24 bytes, the limits it promises hold, and it
 //    re-encodes to the input's first 24 bytes with the reserved fields zeroed.
@@ -85,6 +87,14 @@ struct Reader {
 
 void CheckHeader(std::span<const std::byte> input) {
   absl::StatusOr<wire::Header> h = wire::DecodeHeader(input);
+  // The receive path's inline DATA decode agrees with the full check.
+  wire::Header fast;
+  const bool took = wire::DecodeDataHeader(input, fast);
+  FUZZ_CHECK(took == (h.ok() && h->type == wire::Type::kData), "inline DATA decode took ", took);
+  if (took)
+    FUZZ_CHECK(fast.data_credits == h->data_credits && fast.ctrl_credits == h->ctrl_credits &&
+                   fast.length == h->length && fast.cookie == h->cookie,
+               "inline DATA decode differs");
   if (!h.ok()) return;
   FUZZ_CHECK(input.size() >= wire::kHeaderSize, input.size());
   const size_t body = input.size() - wire::kHeaderSize;

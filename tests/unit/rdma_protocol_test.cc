@@ -57,6 +57,50 @@ TEST(Wire, RejectsMalformedFrames) {
   EXPECT_FALSE(wire::DecodeHeader(Frame(credit, 1)).ok());
 }
 
+// The receive path decodes DATA headers inline (DecodeDataHeader) and sends
+// everything else to DecodeHeader: the two must agree on every DATA frame,
+// valid or not. Every frame type and body size, with every header byte
+// replaced by a spread of values.
+TEST(Wire, InlineDataHeaderDecodeAgreesWithTheFullCheck) {
+  int accepted = 0;
+  auto check = [&](const std::vector<std::byte>& f) {
+    wire::Header fast;
+    const bool took = wire::DecodeDataHeader(f, fast);
+    auto full = wire::DecodeHeader(f);
+    const bool data = full.ok() && full->type == wire::Type::kData;
+    ASSERT_EQ(took, data) << "frame of " << f.size() << " bytes, header byte 1 = "
+                          << std::to_integer<int>(f.size() > 1 ? f[1] : std::byte{0});
+    if (!took) return;
+    ++accepted;
+    EXPECT_EQ(fast.type, full->type);
+    EXPECT_EQ(fast.data_credits, full->data_credits);
+    EXPECT_EQ(fast.ctrl_credits, full->ctrl_credits);
+    EXPECT_EQ(fast.length, full->length);
+    EXPECT_EQ(fast.cookie, full->cookie);
+  };
+  const uint8_t values[] = {0x00, 0x01, 0x02, 0x04, 0x10, 0x11, 0x12, 0x14, 0x15, 0x21, 0x7F, 0x80, 0xD7, 0xFE, 0xFF};
+  for (auto type : {wire::Type::kData, wire::Type::kRts, wire::Type::kCts, wire::Type::kCredit}) {
+    for (size_t body : {size_t{0}, size_t{1}, wire::kGrantSize, size_t{64}}) {
+      for (uint32_t length : {uint32_t{0}, uint32_t{1}, static_cast<uint32_t>(wire::kGrantSize), uint32_t{64}}) {
+        auto f = Frame({type, 513, 3, length, 0xABCDEF01u}, body);
+        check(f);
+        if (HasFatalFailure()) return;
+        for (size_t at = 0; at < wire::kHeaderSize; ++at) {
+          for (uint8_t v : values) {
+            auto g = f;
+            g[at] = std::byte{v};
+            check(g);
+            if (HasFatalFailure()) return;
+          }
+        }
+        check(std::vector<std::byte>(f.begin(), f.begin() + static_cast<std::ptrdiff_t>(wire::kHeaderSize - 1)));
+        if (HasFatalFailure()) return;
+      }
+    }
+  }
+  EXPECT_GT(accepted, 100);  // the valid DATA frames and their harmless mutations (credits, cookie) among them
+}
+
 TEST(Wire, HelloValidatesThePeer) {
   std::vector<std::byte> b(wire::kHelloSize);
   wire::EncodeHello({64, 3, 4096 + 16, 1u << 26}, b.data());

@@ -18,6 +18,7 @@
 
 #include "absl/status/statusor.h"
 #include "transport/common/auth.h"
+#include "transport/common/little_endian.h"
 
 namespace rdmarpc::rdma::wire {
 
@@ -67,6 +68,27 @@ void EncodeHello(const Hello& h, std::byte* out) noexcept;
 // Validates magic, version, type, and that the frame's length agrees with the
 // bytes received (`frame` is what the RECV completion reported).
 absl::StatusOr<Header> DecodeHeader(std::span<const std::byte> frame) noexcept;
+
+// DecodeHeader's common case, inline: a DATA frame whose length is what
+// arrived, decoded with no call and no StatusOr (~50 instructions a message
+// less on the receive path). False for anything else, which DecodeHeader then
+// judges. It accepts exactly the DATA frames DecodeHeader accepts, with the
+// same header (tests/unit/rdma_protocol_test.cc, tests/fuzz/rdma_wire_fuzzer.cc).
+inline bool DecodeDataHeader(std::span<const std::byte> frame, Header& h) noexcept {
+  if (frame.size() < kHeaderSize) return false;
+  // Bytes 0-7: magic, version|type, data credits (2), reserved (3), ctrl credits.
+  const uint64_t w = wire_bytes::LoadLE<uint64_t>(frame.data());
+  const uint32_t length = wire_bytes::LoadLE<uint32_t>(frame.data() + 8);
+  constexpr uint64_t kFixed = 0x00FF'FFFF'0000'FFFFull;  // magic, version|type, reserved
+  constexpr uint64_t kData = kMagic | uint64_t{(kVersion << 4) | static_cast<uint8_t>(Type::kData)} << 8;
+  if ((w & kFixed) != kData || length != frame.size() - kHeaderSize) return false;
+  h.type = Type::kData;
+  h.data_credits = static_cast<uint16_t>(w >> 16);
+  h.ctrl_credits = static_cast<uint8_t>(w >> 56);
+  h.length = length;
+  h.cookie = wire_bytes::LoadLE<uint32_t>(frame.data() + 12);
+  return true;
+}
 absl::StatusOr<Grant> DecodeGrant(std::span<const std::byte> body) noexcept;
 absl::StatusOr<Hello> DecodeHello(std::span<const std::byte> data) noexcept;
 // The auth proof after a hello that has kHelloAuthProof; nullopt without the
