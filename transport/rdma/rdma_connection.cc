@@ -8,6 +8,7 @@
 #include <cstring>
 #include <deque>
 #include <map>
+#include <memory>
 #include <system_error>
 #include <thread>
 
@@ -103,6 +104,37 @@ size_t RoundDown(size_t v, size_t to) { return v / to * to; }
 
 // Memory registered for one large message: an exact-size MR, so a grant's
 // rkey covers exactly the granted bytes and dies with the deregistration.
+// The free send slots: a stack of at most `capacity` slot numbers, sized once.
+// (std::vector's push_back, with its growth path, was a call of ~23
+// instructions, twice a message.)
+class SlotStack {
+ public:
+  void Reset(uint32_t capacity) {
+    slots_ = std::make_unique<uint32_t[]>(capacity);
+    capacity_ = capacity;
+    size_ = 0;
+  }
+  bool empty() const { return size_ == 0; }
+  size_t size() const { return size_; }
+  uint32_t back() const {
+    assert(size_ > 0);
+    return slots_[size_ - 1];
+  }
+  void pop_back() {
+    assert(size_ > 0);
+    --size_;
+  }
+  void push_back(uint32_t slot) {
+    assert(size_ < capacity_);  // a slot freed twice
+    slots_[size_++] = slot;
+  }
+
+ private:
+  std::unique_ptr<uint32_t[]> slots_;
+  uint32_t capacity_ = 0;
+  uint32_t size_ = 0;
+};
+
 struct LargeBuffer {
   std::unique_ptr<std::byte[]> memory;
   size_t size = 0;
@@ -210,6 +242,7 @@ class RdmaConnectionImpl final : public std::enable_shared_from_this<RdmaConnect
     if (ibv_query_qp(ep_->qp(), &qattr, IBV_QP_CAP, &qinit) == 0) max_inline_ = qinit.cap.max_inline_data;
     max_write_chunk_ = std::max<size_t>(dev.port().attr.max_msg_sz, 4096);
 
+    free_send_slots_.Reset(send_slots_);
     for (uint32_t i = 0; i < send_slots_; ++i) free_send_slots_.push_back(i);
     slot_handlers_.resize(send_slots_);
     slot_lent_.resize(send_slots_);
@@ -823,11 +856,10 @@ class RdmaConnectionImpl final : public std::enable_shared_from_this<RdmaConnect
       wr.num_sge = n;
       wr.send_flags = flags;
     } else {
-      ibv_send_wr wr{};
+      ibv_send_wr& wr = single_send_wr_;  // opcode and the zeroed rest: set once
       wr.wr_id = wr_id;
       wr.sg_list = sges;
       wr.num_sge = n;
-      wr.opcode = IBV_WR_SEND;
       wr.send_flags = flags;
       ibv_send_wr* bad = nullptr;
       if (int rc = ibv_post_send(ep_->qp(), &wr, &bad); rc != 0) return ErrnoStatus(rc, "ibv_post_send(SEND)");
@@ -1046,8 +1078,15 @@ class RdmaConnectionImpl final : public std::enable_shared_from_this<RdmaConnect
 
   // Sends a CREDIT frame when credits.h's answer rules say so. One is
   // enough: it carries everything owed.
+  // Inline, the question only (asked several times a message); the frame is
+  // built out of line, where its registers are saved only when one goes.
   void MaybeReturnCredits() {
-    if (error_.ok() && ledger_->WantsCreditFrame() && sq_used_ < opt_.send_depth && !free_send_slots_.empty()) {
+    assert(ledger_.has_value());  // from Start() on, before any send or completion
+    if (ledger_->WantsCreditFrame()) [[unlikely]]
+      ReturnCredits();
+  }
+  [[gnu::noinline]] void ReturnCredits() {
+    if (error_.ok() && sq_used_ < opt_.send_depth && !free_send_slots_.empty()) {
       ledger_->ConsumeCreditFrame();
       ++stats_.credit_frames_sent;
       if (auto st = SendControl({wire::Type::kCredit, 0, 0, 0, 0}, nullptr); !st.ok()) Fail(st);
@@ -1634,7 +1673,14 @@ class RdmaConnectionImpl final : public std::enable_shared_from_this<RdmaConnect
   std::optional<CreditLedger> ledger_;
   uint32_t sq_used_ = 0;
   bool waiting_for_credit_ = false;
-  std::vector<uint32_t> free_send_slots_;
+  SlotStack free_send_slots_;
+  // PostSendWr's one SEND posted at once: a work request of ~130 bytes, not
+  // zeroed again for each post. (Providers read a posted WR, never write it.)
+  ibv_send_wr single_send_wr_ = [] {
+    ibv_send_wr wr{};
+    wr.opcode = IBV_WR_SEND;
+    return wr;
+  }();
   std::vector<SendHandler> slot_handlers_;  // By send slot: whom to tell when its SEND completes.
   std::vector<uint64_t> slot_lent_;  // By send slot: the large_out_ key of a lent Buffer it gathers, or 0.
   std::vector<uint8_t> slot_untracked_;  // By send slot: 1 while it carries a SendUntracked() message.
