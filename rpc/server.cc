@@ -43,7 +43,11 @@ class Server::Impl : public std::enable_shared_from_this<Impl> {
       : ex_(std::move(ex)), options_(std::move(options)), grace_timer_(ex_), keepalive_timer_(ex_) {}
   // Parked workers hold no reference to the server; destroying their resume
   // handlers unwinds their coroutines (through the executor, as Asio does).
-  ~Impl() { ReleaseIdleWorkers(); }
+  ~Impl() {
+    ReleaseIdleWorkers();
+    pool_->closed = true;
+    for (auto& list : pool_->lists) list->clear();  // their calls hold the pool (Call::pool_ref)
+  }
   void ReleaseIdleWorkers() {
     for (auto& w : idle_workers_) w->resume.reset();
     idle_workers_.clear();
@@ -75,15 +79,20 @@ class Server::Impl : public std::enable_shared_from_this<Impl> {
   // Finished calls go back to a per-method free list with their request and
   // response messages, so a steady stream of calls reuses objects (and the
   // messages' string capacity) instead of allocating them. Shared with the
-  // deleters, which may run after the server is gone.
+  // deleters, which may run after the server is gone. A call in a free list
+  // keeps the reference its deleter had (Call::pool_ref) and hands it to the
+  // next deleter: a reused call costs no reference count. The server empties
+  // the lists and closes the pool when it goes (no cycle is left), and a call
+  // finished after that is deleted.
   struct CallPool {
     using FreeList = std::vector<std::unique_ptr<Call>>;
     std::vector<std::unique_ptr<FreeList>> lists;  // one per method (stable addresses: Entry and Call point here)
+    bool closed = false;                             // the server is gone
     static constexpr size_t kKeepPerMethod = 256;
   };
   struct Recycle {
     std::shared_ptr<CallPool> pool;
-    void operator()(Call* call) const;
+    void operator()(Call* call);
   };
   using CallPtr = std::unique_ptr<Call, Recycle>;
   struct Entry;
@@ -136,6 +145,7 @@ class Server::Impl : public std::enable_shared_from_this<Impl> {
     bool answered = false;
     uint64_t generation = 0;  // bumped each time the object is recycled
     CallPool::FreeList* home = nullptr;  // the method's free list
+    std::shared_ptr<CallPool> pool_ref;  // while in home: its last deleter's reference
   };
   struct Entry {
     Service* service;
@@ -248,27 +258,28 @@ class Server::Impl::ServerStream final : public internal::StreamCore {
   uint64_t id_;
 };
 
-void Server::Impl::Recycle::operator()(Call* call) const {
+void Server::Impl::Recycle::operator()(Call* call) {
   ++call->generation;
   call->conn.reset();
   call->stream.reset();
   call->answered = false;
   call->ctx.Reset(nullptr);
   auto& list = *call->home;
-  if (list.size() >= CallPool::kKeepPerMethod) {
+  if (pool->closed || list.size() >= CallPool::kKeepPerMethod) {
     delete call;
     return;
   }
   call->response->Clear();  // keeps string capacity: the next response reuses it
+  call->pool_ref = std::move(pool);
   list.emplace_back(call);
 }
 
 Server::Impl::CallPtr Server::Impl::NewCall(const Entry& entry) {
   auto& list = *entry.free;
   if (!list.empty()) {
-    CallPtr call(list.back().release(), Recycle{pool_});
+    Call* reused = list.back().release();
     list.pop_back();
-    return call;
+    return CallPtr(reused, Recycle{std::move(reused->pool_ref)});
   }
   const Service::Method* method = entry.method;
   CallPtr call(new Call(ex_), Recycle{pool_});
