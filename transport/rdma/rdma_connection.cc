@@ -102,8 +102,6 @@ constexpr uint32_t kControlSlots = 4;
 size_t RoundUp(size_t v, size_t to) { return (v + to - 1) / to * to; }
 size_t RoundDown(size_t v, size_t to) { return v / to * to; }
 
-// Memory registered for one large message: an exact-size MR, so a grant's
-// rkey covers exactly the granted bytes and dies with the deregistration.
 // The free send slots: a stack of at most `capacity` slot numbers, sized once.
 // (std::vector's push_back, with its growth path, was a call of ~23
 // instructions, twice a message.)
@@ -135,6 +133,8 @@ class SlotStack {
   uint32_t size_ = 0;
 };
 
+// Memory registered for one large message: an exact-size MR, so a grant's
+// rkey covers exactly the granted bytes and dies with the deregistration.
 struct LargeBuffer {
   std::unique_ptr<std::byte[]> memory;
   size_t size = 0;
