@@ -1130,8 +1130,7 @@ class RdmaConnectionImpl final : public std::enable_shared_from_this<RdmaConnect
         if (sink_ != nullptr && in_completions_ && ready_.empty()) {
           // Nothing ahead of it: straight into the batch for the sink
           // (Deliver's path, without the ready queue's round trip).
-          sink_ready_.push_back(Message({RecvSlot(slot) + wire::kHeaderSize, h->length}, this,
-                                        MakeToken(kTokRecvSlot, slot)));
+          sink_ready_.push_back(RecvSlotMessage(slot, h->length));
           break;
         }
         ready_.push_back({false, slot, h->length});
@@ -1276,6 +1275,12 @@ class RdmaConnectionImpl final : public std::enable_shared_from_this<RdmaConnect
     return absl::OkStatus();
   }
 
+  // The `size`-byte body of the DATA frame in receive slot `slot`, lent: the
+  // slot's RECV is posted again when the Message is released.
+  Message RecvSlotMessage(uint32_t slot, size_t size) {
+    return Message({RecvSlot(slot) + wire::kHeaderSize, size}, this, MakeToken(kTokRecvSlot, slot));
+  }
+
   // The message at the front of ready_, if it may be read (a large one once
   // its window is revoked).
   std::optional<Message> TakeReady() {
@@ -1287,8 +1292,7 @@ class RdmaConnectionImpl final : public std::enable_shared_from_this<RdmaConnect
       if (!in.complete) return std::nullopt;
       msg = Message({in.data, e.size}, this, MakeToken(kTokLargeIn, e.index));
     } else {
-      msg = Message({RecvSlot(static_cast<uint32_t>(e.index)) + wire::kHeaderSize, e.size}, this,
-                    MakeToken(kTokRecvSlot, e.index));
+      msg = RecvSlotMessage(static_cast<uint32_t>(e.index), e.size);
     }
     ready_.pop_front();
     return msg;
