@@ -1102,21 +1102,20 @@ class RdmaConnectionImpl final : public std::enable_shared_from_this<RdmaConnect
       return;
     }
     const std::span<const std::byte> frame(RecvSlot(slot), wc.byte_len);
-    wire::Header header;
-    if (!wire::DecodeDataHeader(frame, header)) {  // not the common case: the full check
+    wire::Header h;
+    if (!wire::DecodeDataHeader(frame, h)) {  // not the common case: the full check
       auto checked = wire::DecodeHeader(frame);
       if (!checked.ok()) {
         Fail(absl::DataLossError(absl::StrCat("malformed frame from ", peer_uri_, ": ", checked.status().message())));
         return;
       }
-      header = *checked;
+      h = *checked;
     }
-    const wire::Header* h = &header;
-    if (auto st = ledger_->OnReturned(h->data_credits, h->ctrl_credits); !st.ok()) {
+    if (auto st = ledger_->OnReturned(h.data_credits, h.ctrl_credits); !st.ok()) {
       Fail(st);
       return;
     }
-    switch (h->type) {
+    switch (h.type) {
       case wire::Type::kCredit:
         // Its RECV goes back at once (credits.h explains why).
         if (StalledForTest()) break;
@@ -1126,23 +1125,23 @@ class RdmaConnectionImpl final : public std::enable_shared_from_this<RdmaConnect
       case wire::Type::kData:
         ledger_->OnDataFrameArrived();
         ++stats_.messages_received;
-        stats_.bytes_received += h->length;
+        stats_.bytes_received += h.length;
         if (sink_ != nullptr && in_completions_ && ready_.empty()) {
           // Nothing ahead of it: straight into the batch for the sink
           // (Deliver's path, without the ready queue's round trip).
-          sink_ready_.push_back(RecvSlotMessage(slot, h->length));
+          sink_ready_.push_back(RecvSlotMessage(slot, h.length));
           break;
         }
-        ready_.push_back({false, slot, h->length});
+        ready_.push_back({false, slot, h.length});
         Deliver();
         break;
       case wire::Type::kRts:
         ledger_->OnDataFrameArrived();
         RepostAfterControl(slot, CreditLedger::Kind::kData);
-        OnRts(*h);
+        OnRts(h);
         break;
       case wire::Type::kCts:
-        OnCts(*h, slot);
+        OnCts(h, slot);
         break;
     }
   }
