@@ -18,7 +18,9 @@
 #include <utility>
 #include <vector>
 
+#include <poll.h>
 #include <sys/epoll.h>
+#include <sys/ioctl.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -425,6 +427,87 @@ TEST_F(TcpTransportTest, PollModesPollFromTheExecutorBusyForeverAdaptiveUntilQui
   }
 }
 
+// The connected sockets of this process (listeners left out), from the
+// epoll registrations above.
+std::vector<int> ConnectedSockets() {
+  std::vector<int> out;
+  for (const auto& [fd, events] : SocketEpollRegistrations()) {
+    int listening = 0;
+    socklen_t len = sizeof listening;
+    if (::getsockopt(fd, SOL_SOCKET, SO_ACCEPTCONN, &listening, &len) == 0 && listening == 0) out.push_back(fd);
+  }
+  return out;
+}
+
+// A message sent on `from` lands in the receiving socket's queue (loopback:
+// no executor needs to run for that); returns that socket, or -1.
+int SocketHoldingBytes(const std::vector<int>& sockets) {
+  for (const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(2);
+       std::chrono::steady_clock::now() < until;) {
+    for (int fd : sockets) {
+      int queued = 0;
+      if (::ioctl(fd, FIONREAD, &queued) == 0 && queued > 0) return fd;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  return -1;
+}
+
+// Whether the socket reports itself readable, as epoll would see it.
+bool SignalsReadable(int fd) {
+  pollfd p{.fd = fd, .events = POLLIN, .revents = 0};
+  return ::poll(&p, 1, 0) == 1 && (p.revents & POLLIN) != 0;
+}
+
+// A socket the read loop polls does not signal each message that arrives
+// (otherwise every message also costs a reactor wake-up and a descriptor
+// operation, ~300 instructions a call): its bytes sit in the socket without
+// making it readable to epoll until the next pass takes them, and none is
+// lost. A socket that waits in the reactor (event mode, adaptive gone quiet)
+// does signal, or its wait would never end.
+TEST_F(TcpTransportTest, PolledSocketsDoNotSignalArrivingBytesWaitingOnesDo) {
+  for (PollMode mode : {PollMode::kEvent, PollMode::kAdaptive, PollMode::kBusy}) {
+    SCOPED_TRACE(PollModeName(mode));
+    const TcpOptions options{.poll_mode = mode, .adaptive_spin = std::chrono::milliseconds(300)};
+    auto listener = MustListen(options);
+    ASSERT_NE(listener, nullptr);
+    auto [client, server] = ConnectPair(*listener, options);
+    ASSERT_NE(client, nullptr);
+    ExpectWorks(*client, *server, "first");
+    const std::vector<int> sockets = ConnectedSockets();
+    ASSERT_EQ(sockets.size(), 2u);
+
+    // Send without running the executor: no pass takes the bytes meanwhile.
+    std::optional<absl::Status> sent;
+    client->async_send(std::as_bytes(std::span<const char>("spinning", 8)),
+                       [&](absl::Status s) { sent.emplace(std::move(s)); });
+    const int receiver = SocketHoldingBytes(sockets);
+    ASSERT_NE(receiver, -1) << "the message never reached the server's socket";
+    EXPECT_EQ(SignalsReadable(receiver), mode == PollMode::kEvent);
+    auto got = ReceiveAndWait(*server);
+    ASSERT_TRUE(got.ok()) << got.status();
+    EXPECT_EQ(*got, "spinning");
+    ASSERT_TRUE(RunUntil([&] { return sent.has_value(); }));
+
+    if (mode != PollMode::kAdaptive) continue;
+    // Quiet for longer than adaptive_spin: back in the reactor, and signalled.
+    io_.restart();
+    bool ran_dry = false;
+    for (const auto until = Clock::now() + std::chrono::seconds(3); !ran_dry && Clock::now() < until;)
+      ran_dry = io_.poll_one() == 0;
+    ASSERT_TRUE(ran_dry) << "adaptive polling never went quiet";
+    sent.reset();
+    client->async_send(std::as_bytes(std::span<const char>("waiting", 7)),
+                       [&](absl::Status s) { sent.emplace(std::move(s)); });
+    ASSERT_EQ(SocketHoldingBytes(sockets), receiver);
+    EXPECT_TRUE(SignalsReadable(receiver)) << "a socket waiting in the reactor must signal its bytes";
+    got = ReceiveAndWait(*server);
+    ASSERT_TRUE(got.ok()) << got.status();
+    EXPECT_EQ(*got, "waiting");
+    ExpectWorks(*client, *server, "after");
+  }
+}
+
 // A hostile length prefix ends that connection only, with a reason, and no
 // 4 GiB allocation.
 TEST_F(TcpTransportTest, OversizedFrameClosesThatConnectionOnly) {
@@ -565,6 +648,38 @@ TEST_F(TcpTransportTest, FrameAtTheLimitIsAcceptedOneByteMoreIsNot) {
   ASSERT_FALSE(got.ok());
   EXPECT_EQ(got.status().code(), absl::StatusCode::kUnavailable) << got.status();
   EXPECT_NE(got.status().message().find("1025-byte frame, limit 1024"), absl::string_view::npos) << got.status();
+}
+
+// A frame larger than the read buffer is read straight into its own buffer
+// by a reactor read; when its tail comes later, in a piece smaller than
+// whatever a polling connection had set to keep its socket quiet, that read
+// must still be woken (in every poll mode) and the frame arrive whole.
+TEST_F(TcpTransportTest, LargeFrameWhoseTailComesLaterArrivesWholeInEveryPollMode) {
+  for (PollMode mode : {PollMode::kEvent, PollMode::kAdaptive, PollMode::kBusy}) {
+    SCOPED_TRACE(PollModeName(mode));
+    auto listener = MustListen({.poll_mode = mode, .adaptive_spin = std::chrono::seconds(5)});
+    ASSERT_NE(listener, nullptr);
+    tcp::socket raw(io_);
+    std::unique_ptr<Connection> server = AcceptRaw(*listener, raw);
+    ASSERT_NE(server, nullptr);
+    constexpr uint32_t kSize = 200'000, kTail = 20'000;
+    std::string body(kSize, '\0');
+    for (uint32_t i = 0; i < kSize; ++i) body[i] = static_cast<char>('a' + i % 23);
+    const auto h = Header(kSize);
+    asio::write(raw, asio::buffer(h));
+    asio::write(raw, asio::buffer(body.data(), kSize - kTail));
+    std::optional<absl::StatusOr<Message>> got;
+    server->async_receive([&](absl::StatusOr<Message> m) { got.emplace(std::move(m)); });
+    io_.restart();
+    io_.run_for(std::chrono::milliseconds(100));  // the head is read; the frame's read waits for the rest
+    ASSERT_FALSE(got.has_value()) << "delivered before its tail was sent";
+    asio::write(raw, asio::buffer(body.data() + kSize - kTail, kTail));
+    ASSERT_TRUE(RunUntil([&] { return got.has_value(); })) << "the frame's tail never woke its read";
+    ASSERT_TRUE(got->ok()) << got->status();
+    const auto bytes = (*got)->data();
+    ASSERT_EQ(bytes.size(), kSize);
+    EXPECT_EQ(std::string(reinterpret_cast<const char*>(bytes.data()), bytes.size()), body);
+  }
 }
 
 TEST_F(TcpTransportTest, PeerLeavingMidFrameFailsTheReceiveNamingTheCause) {

@@ -66,6 +66,11 @@ constexpr size_t kHeaderBytes = 4;
 // Per-connection read buffer: frames up to this size (with header) are read
 // together with their neighbours, larger ones straight into their own buffer.
 constexpr size_t kReadBuffer = 64 * 1024;
+// SO_RCVLOWAT while the read loop polls: a pass takes everything up to the
+// read buffer's size, so more than that piling up between passes is rare (and
+// then only wakes the reactor as it would anyway). No larger: Linux grows the
+// receive buffer to fit twice the low-water mark.
+constexpr size_t kMutedLowWater = kReadBuffer;
 // A send buffer keeps its frame header just in front of the payload, so a
 // queued message is one contiguous iovec and a gather write carries twice as
 // many messages per writev as header+payload pairs would. The payload starts 8
@@ -503,7 +508,11 @@ class ConnectionCore final : public std::enable_shared_from_this<ConnectionCore>
     }
     // Need more bytes: keep the partial frame at the front and read after it.
     Compact();
-    if (spinning_) return PostReadPass();
+    if (spinning_) {
+      if (!read_muted_) MuteReadWakeups();
+      return PostReadPass();
+    }
+    if (read_muted_ && !UnmuteReadWakeups()) return;
     // Wait for readability, then recv() ourselves: async_read_some would first
     // try a recv() that finds nothing (we just drained the socket), and costs
     // a reactor operation more per message.
@@ -544,6 +553,34 @@ class ConnectionCore final : public std::enable_shared_from_this<ConnectionCore>
     }
     quiet_passes_ = 0;
     OnRecv(n);
+  }
+
+  // While the read loop polls, the socket stays quiet: SO_RCVLOWAT above what
+  // a pass leaves behind means arriving bytes do not wake the socket's wait
+  // queue (tcp_data_ready checks the low-water mark), so the reactor's
+  // epoll_wait reports nothing and runs no descriptor operation per message
+  // (~300 instructions a call in bench/cpu_per_call, docs/benchmarks.md).
+  // recv() is unaffected: a non-blocking recv returns whatever is there.
+  // Anything that waits in the reactor for bytes (the wait when adaptive
+  // polling goes quiet, a large frame's async_read) sets it back to 1 first;
+  // Asio re-arms the registration on every wait (EPOLL_CTL_MOD), which
+  // reports bytes that came while muted. A kernel without the low-water check
+  // in its wake-up path just wakes as before.
+  void MuteReadWakeups() {
+    const int lowat = static_cast<int>(kMutedLowWater);
+    read_muted_ = ::setsockopt(socket_.native_handle(), SOL_SOCKET, SO_RCVLOWAT, &lowat, sizeof lowat) == 0;
+  }
+  bool UnmuteReadWakeups() {
+    const int lowat = 1;
+    if (::setsockopt(socket_.native_handle(), SOL_SOCKET, SO_RCVLOWAT, &lowat, sizeof lowat) != 0) {
+      // A wait for bytes would never be woken: fail rather than stall.
+      reading_ = false;
+      Fail(absl::InternalError(absl::StrCat("setsockopt(SO_RCVLOWAT, 1) on the connection to ", peer_,
+                                            " failed: ", std::strerror(errno), "; connection closed")));
+      return false;
+    }
+    read_muted_ = false;
+    return true;
   }
 
   // Whether polling has found nothing for adaptive_spin; the clock is read
@@ -591,6 +628,7 @@ class ConnectionCore final : public std::enable_shared_from_this<ConnectionCore>
     Compact();
     // Owned as a Message from here on, so a failed read gives the buffer back.
     body_ = Message(std::span<const std::byte>(lease.memory, size), &pool_, lease.token);
+    if (read_muted_ && !UnmuteReadWakeups()) return body_.Reset();  // the body's tail would not wake the read
     asio::async_read(socket_, asio::buffer(lease.memory + have, size - have),
                      transport::WithOpMemory(read_memory_, [self = shared_from_this()](error_code body_ec, size_t) {
                        self->OnBody(body_ec);
@@ -934,6 +972,7 @@ class ConnectionCore final : public std::enable_shared_from_this<ConnectionCore>
   // rather than waiting in the reactor, and the empty passes since the last
   // bytes (and when the first of them was).
   bool spinning_ = options_.poll_mode != PollMode::kEvent;
+  bool read_muted_ = false;  // SO_RCVLOWAT is kMutedLowWater (MuteReadWakeups)
   uint32_t quiet_passes_ = 0;
   std::chrono::steady_clock::time_point quiet_since_{};
 
