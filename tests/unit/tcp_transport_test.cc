@@ -15,6 +15,7 @@
 #include <span>
 #include <string>
 #include <thread>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -245,6 +246,30 @@ class TcpTransportTest : public ::testing::Test {
     EXPECT_EQ(*got, absl::StrCat("pong ", tag));
   }
 
+  // A listener and a connected pair in `options`' poll mode that have
+  // exchanged a message each way.
+  struct WorkingPair {
+    std::unique_ptr<Listener> listener;
+    std::unique_ptr<Connection> client, server;
+  };
+  WorkingPair ConnectWorking(const TcpOptions& options) {
+    WorkingPair p;
+    p.listener = MustListen(options);
+    if (p.listener == nullptr) return p;
+    std::tie(p.client, p.server) = ConnectPair(*p.listener, options);
+    if (p.client != nullptr) ExpectWorks(*p.client, *p.server, "first");
+    return p;
+  }
+
+  // Whether the executor runs out of work within `limit`, one handler at a
+  // time (poll() would never return while read passes repost themselves).
+  bool RunsDryWithin(std::chrono::milliseconds limit) {
+    io_.restart();
+    for (const auto until = Clock::now() + limit; Clock::now() < until;)
+      if (io_.poll_one() == 0) return true;
+    return false;
+  }
+
   static std::array<std::byte, 4> Header(uint32_t n) {
     return {std::byte(n & 0xff), std::byte((n >> 8) & 0xff), std::byte((n >> 16) & 0xff), std::byte(n >> 24)};
   }
@@ -399,12 +424,9 @@ TEST(TcpPollModeTest, ParsesItsOwnNamesAndRefusesOthers) {
 TEST_F(TcpTransportTest, PollModesPollFromTheExecutorBusyForeverAdaptiveUntilQuiet) {
   for (PollMode mode : {PollMode::kEvent, PollMode::kAdaptive, PollMode::kBusy}) {
     SCOPED_TRACE(PollModeName(mode));
-    const TcpOptions options{.poll_mode = mode, .adaptive_spin = std::chrono::milliseconds(20)};
-    auto listener = MustListen(options);
-    ASSERT_NE(listener, nullptr);
-    auto [client, server] = ConnectPair(*listener, options);
+    auto [listener, client, server] =
+        ConnectWorking({.poll_mode = mode, .adaptive_spin = std::chrono::milliseconds(20)});
     ASSERT_NE(client, nullptr);
-    ExpectWorks(*client, *server, "first");
     // Right after a message, a polling connection has its next pass queued.
     io_.restart();
     if (mode == PollMode::kEvent) {
@@ -413,11 +435,7 @@ TEST_F(TcpTransportTest, PollModesPollFromTheExecutorBusyForeverAdaptiveUntilQui
       EXPECT_GT(io_.poll_one(), 0u) << "no read pass queued after a message";
     }
     // Ten times adaptive_spin without traffic: does the executor run dry?
-    // (One handler at a time: poll() would never return while passes repost.)
-    bool ran_dry = false;
-    for (const auto until = Clock::now() + std::chrono::milliseconds(200); !ran_dry && Clock::now() < until;)
-      ran_dry = io_.poll_one() == 0;
-    EXPECT_EQ(ran_dry, mode != PollMode::kBusy);
+    EXPECT_EQ(RunsDryWithin(std::chrono::milliseconds(200)), mode != PollMode::kBusy);
     // Woken from the reactor (adaptive, event) or found by a pass (busy).
     ExpectWorks(*client, *server, "after the quiet spell");
     io_.restart();
@@ -468,12 +486,9 @@ bool SignalsReadable(int fd) {
 TEST_F(TcpTransportTest, PolledSocketsDoNotSignalArrivingBytesWaitingOnesDo) {
   for (PollMode mode : {PollMode::kEvent, PollMode::kAdaptive, PollMode::kBusy}) {
     SCOPED_TRACE(PollModeName(mode));
-    const TcpOptions options{.poll_mode = mode, .adaptive_spin = std::chrono::milliseconds(300)};
-    auto listener = MustListen(options);
-    ASSERT_NE(listener, nullptr);
-    auto [client, server] = ConnectPair(*listener, options);
+    auto [listener, client, server] =
+        ConnectWorking({.poll_mode = mode, .adaptive_spin = std::chrono::milliseconds(300)});
     ASSERT_NE(client, nullptr);
-    ExpectWorks(*client, *server, "first");
     const std::vector<int> sockets = ConnectedSockets();
     ASSERT_EQ(sockets.size(), 2u);
 
@@ -491,11 +506,7 @@ TEST_F(TcpTransportTest, PolledSocketsDoNotSignalArrivingBytesWaitingOnesDo) {
 
     if (mode != PollMode::kAdaptive) continue;
     // Quiet for longer than adaptive_spin: back in the reactor, and signalled.
-    io_.restart();
-    bool ran_dry = false;
-    for (const auto until = Clock::now() + std::chrono::seconds(3); !ran_dry && Clock::now() < until;)
-      ran_dry = io_.poll_one() == 0;
-    ASSERT_TRUE(ran_dry) << "adaptive polling never went quiet";
+    ASSERT_TRUE(RunsDryWithin(std::chrono::seconds(3))) << "adaptive polling never went quiet";
     sent.reset();
     client->async_send(std::as_bytes(std::span<const char>("waiting", 7)),
                        [&](absl::Status s) { sent.emplace(std::move(s)); });
