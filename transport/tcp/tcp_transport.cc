@@ -566,9 +566,12 @@ class ConnectionCore final : public std::enable_shared_from_this<ConnectionCore>
   // Asio re-arms the registration on every wait (EPOLL_CTL_MOD), which
   // reports bytes that came while muted. A kernel without the low-water check
   // in its wake-up path just wakes as before.
+  // A socket that refuses it is left as it is (and not asked again every pass).
   void MuteReadWakeups() {
+    if (mute_refused_) return;
     const int lowat = static_cast<int>(kMutedLowWater);
     read_muted_ = ::setsockopt(socket_.native_handle(), SOL_SOCKET, SO_RCVLOWAT, &lowat, sizeof lowat) == 0;
+    mute_refused_ = !read_muted_;
   }
   bool UnmuteReadWakeups() {
     const int lowat = 1;
@@ -972,7 +975,8 @@ class ConnectionCore final : public std::enable_shared_from_this<ConnectionCore>
   // rather than waiting in the reactor, and the empty passes since the last
   // bytes (and when the first of them was).
   bool spinning_ = options_.poll_mode != PollMode::kEvent;
-  bool read_muted_ = false;  // SO_RCVLOWAT is kMutedLowWater (MuteReadWakeups)
+  bool read_muted_ = false;    // SO_RCVLOWAT is kMutedLowWater (MuteReadWakeups)
+  bool mute_refused_ = false;  // setsockopt(SO_RCVLOWAT) failed once: polling goes on unmuted
   uint32_t quiet_passes_ = 0;
   std::chrono::steady_clock::time_point quiet_since_{};
 
