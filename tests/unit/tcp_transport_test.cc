@@ -457,8 +457,8 @@ std::vector<int> ConnectedSockets() {
   return out;
 }
 
-// A message sent on `from` lands in the receiving socket's queue (loopback:
-// no executor needs to run for that); returns that socket, or -1.
+// Waits (up to 2 s, without running the executor) until one of `sockets` has
+// bytes queued (loopback delivers at send time); returns that socket, or -1.
 int SocketHoldingBytes(const std::vector<int>& sockets) {
   for (const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(2);
        std::chrono::steady_clock::now() < until;) {
