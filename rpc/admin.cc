@@ -247,6 +247,7 @@ constexpr StatField kStatFields[] = {
     {"sends_unsignaled", &transport::ConnectionStats::sends_unsignaled, false,
      "RDMA SENDs posted without a completion of their own (inline, untracked, inside a completion batch)."},
     {"eager_bytes", &transport::ConnectionStats::eager_bytes, false, "Bytes sent eagerly (SEND)."},
+    {"header_bytes_sent", &transport::ConnectionStats::header_bytes_sent, false, "Transport header bytes in SENDs (none for DATA frames with the header in the immediate)."},
     {"rendezvous_bytes", &transport::ConnectionStats::rendezvous_bytes, false, "Bytes sent by rendezvous (RDMA WRITE)."},
     {"credits_available", &transport::ConnectionStats::credits_available, true, "SENDs that may be posted now."},
     {"credit_frames_sent", &transport::ConnectionStats::credit_frames_sent, false, "Credits returned without piggybacking."},

@@ -131,6 +131,11 @@ struct ConnectionStats {
   // "Selective signalling").
   uint64_t sends_unsignaled = 0;
   uint64_t eager_bytes = 0;
+  // Transport header bytes put in SENDs: 16 per control frame (RTS, CTS,
+  // CREDIT) and per DATA frame to a peer without immediate headers; none for
+  // a DATA frame whose header rode in the immediate (RdmaOptions::
+  // data_header_in_immediate).
+  uint64_t header_bytes_sent = 0;
   uint64_t rendezvous_bytes = 0;
   uint64_t credits_available = 0;    // SENDs we may post now.
   uint64_t credit_frames_sent = 0;   // Credits returned without piggybacking.

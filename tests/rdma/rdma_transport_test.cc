@@ -18,6 +18,7 @@
 #include <functional>
 #include <fstream>
 #include <map>
+#include <optional>
 #include <thread>
 #include <vector>
 
@@ -27,6 +28,7 @@
 #include "tests/support/rdma_env.h"
 #include "transport/rdma/poller.h"
 #include "transport/rdma/rdma_transport.h"
+#include "transport/rdma/wire.h"
 
 namespace rdmarpc::rdma {
 namespace {
@@ -45,7 +47,10 @@ struct Pair {
   std::unique_ptr<Connection> client, server;
 };
 
-Pair ConnectPair(asio::io_context& io, std::shared_ptr<RdmaContext> ctx, RdmaOptions opt) {
+// The server listens with `opt`, the client connects with `client_opt`
+// (`opt` when not given).
+Pair ConnectPair(asio::io_context& io, std::shared_ptr<RdmaContext> ctx, RdmaOptions opt,
+                 std::optional<RdmaOptions> client_opt = std::nullopt) {
   Pair p;
   auto listener = Listen(io.get_executor(), ctx, testing::TestIp(), 0, opt);
   EXPECT_TRUE(listener.ok()) << listener.status();
@@ -56,7 +61,7 @@ Pair ConnectPair(asio::io_context& io, std::shared_ptr<RdmaContext> ctx, RdmaOpt
     if (c.ok()) p.server = std::move(*c);
   });
   Connect(io.get_executor(), ctx, testing::TestIp(), static_cast<uint16_t>(std::stoi((*listener)->local_uri().substr((*listener)->local_uri().rfind(':') + 1))),
-          opt, [&](absl::StatusOr<std::unique_ptr<Connection>> c) {
+          client_opt.value_or(opt), [&](absl::StatusOr<std::unique_ptr<Connection>> c) {
             client_st = c.status();
             if (c.ok()) p.client = std::move(*c);
           });
@@ -129,6 +134,40 @@ TEST_P(RdmaTransport, EverySizeArrivesIntactInBothDirections) {
   EXPECT_GT(cs.rendezvous_bytes, size_t{16} << 20);
   EXPECT_EQ(cs.grants_live, 0u);
   EXPECT_EQ(p.server->stats().grants_live, 0u);
+}
+
+// Between two ends that offer it, a DATA frame is a SEND_WITH_IMM of the body
+// alone, its header in the immediate: no header bytes on the wire for it. An
+// end that does not offer it (a peer from before) gets headers and sends them.
+// Either way every eager size, 0 and the eager limit included, arrives intact
+// in both directions.
+TEST(RdmaTransportWire, DataHeadersRideInTheImmediateOnlyWhenBothEndsOfferIt) {
+  auto ctx = OpenContext();
+  ASSERT_TRUE(ctx);
+  const size_t eager = RdmaOptions{}.eager_limit;
+  for (bool server_offers : {true, false}) {
+    for (bool client_offers : {true, false}) {
+      SCOPED_TRACE(::testing::Message() << "server offers " << server_offers << ", client offers " << client_offers);
+      RdmaOptions so, co;
+      so.data_header_in_immediate = server_offers;
+      co.data_header_in_immediate = client_offers;
+      asio::io_context io;
+      Pair p = ConnectPair(io, ctx, so, co);
+      ASSERT_TRUE(p.client && p.server);
+      for (size_t size : {size_t{0}, size_t{1}, size_t{64}, size_t{65}, size_t{4096}, eager}) {
+        SCOPED_TRACE(size);
+        ExpectDelivered(io, *p.client, *p.server, size);
+        ExpectDelivered(io, *p.server, *p.client, size);
+      }
+      const bool in_immediate = server_offers && client_offers;
+      for (Connection* c : {p.client.get(), p.server.get()}) {
+        const auto st = c->stats();
+        EXPECT_EQ(st.messages_sent, 6u);
+        // Eager traffic sends no RTS or CTS: CREDIT frames are its only control frames.
+        EXPECT_EQ(st.header_bytes_sent, wire::kHeaderSize * (st.credit_frames_sent + (in_immediate ? 0 : 6)));
+      }
+    }
+  }
 }
 
 TEST_P(RdmaTransport, HundredThousandMessagesSixtyFourOutstandingNoRnrInOrder) {

@@ -101,6 +101,35 @@ TEST(Wire, InlineDataHeaderDecodeAgreesWithTheFullCheck) {
   EXPECT_GT(accepted, 100);  // the valid DATA frames and their harmless mutations (credits, cookie) among them
 }
 
+// A DATA header in a SEND's immediate: every credit value survives the trip;
+// the body's length is the RECV's byte count; an immediate whose low byte is
+// not DATA of our version (a CREDIT, RTS or CTS type, another version, an
+// unrelated 32-bit value) is refused, whatever its other bits say.
+TEST(Wire, ImmediateDataHeaderRoundTripsAndRefusesAnythingElse) {
+  for (uint16_t data : {uint16_t{0}, uint16_t{1}, uint16_t{513}, uint16_t{0xFFFF}}) {
+    for (uint8_t ctrl : {uint8_t{0}, uint8_t{3}, uint8_t{0xFF}}) {
+      wire::Header h;
+      ASSERT_TRUE(wire::DecodeImmHeader(wire::EncodeImmHeader(data, ctrl), 77, h));
+      EXPECT_EQ(h.type, wire::Type::kData);
+      EXPECT_EQ(h.data_credits, data);
+      EXPECT_EQ(h.ctrl_credits, ctrl);
+      EXPECT_EQ(h.length, 77u);
+      EXPECT_EQ(h.cookie, 0u);
+    }
+  }
+  int accepted = 0;
+  for (uint32_t low = 0; low < 256; ++low) {
+    wire::Header h;
+    if (wire::DecodeImmHeader(0xABCD'1200u | low, 5, h)) ++accepted;
+  }
+  EXPECT_EQ(accepted, 1) << "only DATA, version 1, in the low byte";
+  wire::Header h;
+  EXPECT_FALSE(wire::DecodeImmHeader(0, 5, h));
+  EXPECT_FALSE(wire::DecodeImmHeader(0xFFFF'FFFFu, 5, h));
+  EXPECT_FALSE(wire::DecodeImmHeader(wire::EncodeImmHeader(1, 1) ^ 0x01u, 5, h));  // type 0
+  EXPECT_FALSE(wire::DecodeImmHeader(wire::EncodeImmHeader(1, 1) ^ 0x30u, 5, h));  // version 2
+}
+
 TEST(Wire, HelloValidatesThePeer) {
   std::vector<std::byte> b(wire::kHelloSize);
   wire::EncodeHello({64, 3, 4096 + 16, 1u << 26}, b.data());

@@ -257,7 +257,9 @@ class RdmaConnectionImpl final : public std::enable_shared_from_this<RdmaConnect
   absl::StatusOr<std::string> HelloBytes(bool with_proof) const {
     std::string out(wire::kHelloSize, '\0');
     wire::EncodeHello({opt_.recv_depth, opt_.ctrl_depth, static_cast<uint32_t>(slot_bytes_),
-                       opt_.max_message_size, with_proof ? wire::kHelloAuthProof : uint16_t{0}},
+                       opt_.max_message_size,
+                       static_cast<uint16_t>((with_proof ? wire::kHelloAuthProof : 0) |
+                                             (opt_.data_header_in_immediate ? wire::kHelloImmData : 0))},
                       reinterpret_cast<std::byte*>(out.data()));
     if (with_proof) {
       auto proof = transport::auth::MakeProof(opt_.auth_token);
@@ -276,6 +278,7 @@ class RdmaConnectionImpl final : public std::enable_shared_from_this<RdmaConnect
     ledger_.emplace(hello->recv_data, hello->recv_ctrl, opt_.recv_depth, opt_.ctrl_depth);
     peer_max_message_ = hello->max_message;
     eager_to_peer_ = std::min<size_t>(eager_limit_, hello->recv_slot_bytes - wire::kHeaderSize);
+    imm_to_peer_ = opt_.data_header_in_immediate && (hello->flags & wire::kHelloImmData) != 0;
     // Each send slot can hold its sender's handler until the SEND completes,
     // and a starved completer lets them pile up to that bound: make room for
     // them now, so the steady state never meets a new peak on the heap.
@@ -573,6 +576,7 @@ class RdmaConnectionImpl final : public std::enable_shared_from_this<RdmaConnect
     bool large;
     uint64_t index;  // Recv slot or large_in_ key.
     size_t size;
+    uint32_t body_at;  // Recv slot: where the body starts.
   };
   struct PendingReceive {
     uint64_t id;
@@ -743,6 +747,12 @@ class RdmaConnectionImpl final : public std::enable_shared_from_this<RdmaConnect
   // kSelectiveSignalling: at most this many SENDs in a row go unsignalled
   // (fewer when the send queue is short: at most half of it).
   static constexpr uint32_t kUnsignaledRun = 16;
+  // A DATA frame's header for a SEND_WITH_IMM (wire::EncodeImmHeader), in
+  // the verbs field's byte order; `on` false: a plain SEND.
+  struct ImmHeader {  // (no member initialisers: a default argument below)
+    bool on;
+    uint32_t value;
+  };
   struct HeldPosts {
     HeldPosts() {  // What every held WR shares is written once; the rest per post.
       for (int i = 0; i < kHeldWrs; ++i) {
@@ -808,17 +818,18 @@ class RdmaConnectionImpl final : public std::enable_shared_from_this<RdmaConnect
   }
 
   // Posts one signalled SEND, accounted to `slot`, of `n` SGEs holding `bytes`
-  // in all (inline when they fit). Its completion covers the unsignalled
-  // SENDs before it (kSelectiveSignalling).
-  absl::Status PostSendSges(uint32_t slot, ibv_sge* sges, int n, size_t bytes) {
+  // in all (inline when they fit), with a DATA header in its immediate when
+  // `imm` has one. Its completion covers the unsignalled SENDs before it
+  // (kSelectiveSignalling).
+  absl::Status PostSendSges(uint32_t slot, ibv_sge* sges, int n, size_t bytes, ImmHeader imm = {false, 0}) {
     const uint64_t wr_id = MakeWrId(kWrSend, 1 + std::exchange(unsignaled_, 0), slot);
     const unsigned flags = IBV_SEND_SIGNALED | (bytes <= max_inline_ ? IBV_SEND_INLINE : 0);
-    return PostSendWr(wr_id, flags, sges, n);
+    return PostSendWr(wr_id, flags, sges, n, imm);
   }
 
   // An inline untracked DATA frame in `slot`, `bytes` long, sent while a
   // completion batch is handled: done at its post (kSelectiveSignalling).
-  absl::Status PostSendDoneAtPost(uint32_t slot, size_t bytes) {
+  absl::Status PostSendDoneAtPost(uint32_t slot, ibv_sge sge, ImmHeader imm) {
     slot_untracked_[slot] = 0;
     // Signalled: one in a run, and while a local operation waits for the
     // queue to drain (the run then ends here, not in a CREDIT frame).
@@ -829,9 +840,10 @@ class RdmaConnectionImpl final : public std::enable_shared_from_this<RdmaConnect
       ++unsignaled_;
       ++stats_.sends_unsignaled;
     }
-    ibv_sge sge{reinterpret_cast<uint64_t>(SendSlot(slot)), static_cast<uint32_t>(bytes), slots_mr_->lkey};
     const bool held = doorbell_hold_ > 0;
-    if (auto st = PostSendWr(wr_id, unsigned{IBV_SEND_INLINE} | (signal ? unsigned{IBV_SEND_SIGNALED} : 0u), &sge, 1); !st.ok())
+    if (auto st = PostSendWr(wr_id, unsigned{IBV_SEND_INLINE} | (signal ? unsigned{IBV_SEND_SIGNALED} : 0u), &sge,
+                             sge.length == 0 ? 0 : 1, imm);
+        !st.ok())
       return st;
     if (held) {
       held_.done_slots[held_.done++] = slot;  // freed when the chain is posted
@@ -842,25 +854,30 @@ class RdmaConnectionImpl final : public std::enable_shared_from_this<RdmaConnect
     return absl::OkStatus();
   }
 
-  // Posts (or, under a DoorbellHold, collects) one SEND work request.
-  absl::Status PostSendWr(uint64_t wr_id, unsigned flags, ibv_sge* sges, int n) {
+  // Posts (or, under a DoorbellHold, collects) one SEND work request of `n`
+  // SGEs (none for an empty body).
+  absl::Status PostSendWr(uint64_t wr_id, unsigned flags, ibv_sge* sges, int n, ImmHeader imm = {false, 0}) {
     if (doorbell_hold_ > 0) {
-      assert(n >= 1 && n <= 2);
+      assert(n >= 0 && n <= 2);
       if (held_.sends == kHeldWrs)
         if (auto st = RingDoorbells(); !st.ok()) return st;
       const int i = held_.sends++;
-      held_.send_sge[i][0] = sges[0];
+      if (n >= 1) held_.send_sge[i][0] = sges[0];
       if (n == 2) held_.send_sge[i][1] = sges[1];
-      ibv_send_wr& wr = held_.send_wr[i];  // opcode, sg_list: set once (HeldPosts)
+      ibv_send_wr& wr = held_.send_wr[i];  // sg_list: set once (HeldPosts)
       wr.wr_id = wr_id;
       wr.num_sge = n;
       wr.send_flags = flags;
+      wr.opcode = imm.on ? IBV_WR_SEND_WITH_IMM : IBV_WR_SEND;
+      wr.imm_data = imm.value;
     } else {
-      ibv_send_wr& wr = single_send_wr_;  // opcode and the zeroed rest: set once
+      ibv_send_wr& wr = single_send_wr_;  // the zeroed rest: set once
       wr.wr_id = wr_id;
       wr.sg_list = sges;
       wr.num_sge = n;
       wr.send_flags = flags;
+      wr.opcode = imm.on ? IBV_WR_SEND_WITH_IMM : IBV_WR_SEND;
+      wr.imm_data = imm.value;
       ibv_send_wr* bad = nullptr;
       if (int rc = ibv_post_send(ep_->qp(), &wr, &bad); rc != 0) return ErrnoStatus(rc, "ibv_post_send(SEND)");
       ++stats_.send_doorbells;
@@ -871,8 +888,14 @@ class RdmaConnectionImpl final : public std::enable_shared_from_this<RdmaConnect
   }
 
   // Posts one SEND gathering `slot`'s header and `bytes` of the application's
-  // registered memory at `data` (SendRegistered): no copy unless inline.
-  absl::Status PostSendGather(uint32_t slot, const std::byte* data, size_t bytes, uint32_t lkey) {
+  // registered memory at `data` (SendRegistered): no copy unless inline. With
+  // the header in the immediate (`imm`), the application's bytes alone.
+  absl::Status PostSendGather(uint32_t slot, const std::byte* data, size_t bytes, uint32_t lkey, ImmHeader imm) {
+    if (imm.on) {
+      ibv_sge sge{reinterpret_cast<uint64_t>(data), static_cast<uint32_t>(bytes), lkey};
+      return PostSendSges(slot, &sge, bytes == 0 ? 0 : 1, bytes, imm);
+    }
+    stats_.header_bytes_sent += wire::kHeaderSize;
     ibv_sge sge[2] = {{reinterpret_cast<uint64_t>(SendSlot(slot)), static_cast<uint32_t>(wire::kHeaderSize),
                        slots_mr_->lkey},
                       {reinterpret_cast<uint64_t>(data), static_cast<uint32_t>(bytes), lkey}};
@@ -888,6 +911,7 @@ class RdmaConnectionImpl final : public std::enable_shared_from_this<RdmaConnect
     h.ctrl_credits = owed.ctrl;
     wire::EncodeHeader(h, SendSlot(slot));
     size_t bytes = wire::kHeaderSize;
+    stats_.header_bytes_sent += wire::kHeaderSize;
     if (grant != nullptr) {
       wire::EncodeGrant(*grant, SendSlot(slot) + wire::kHeaderSize);
       bytes += wire::kGrantSize;
@@ -945,10 +969,10 @@ class RdmaConnectionImpl final : public std::enable_shared_from_this<RdmaConnect
         if (sq_used_ >= opt_.send_depth || free_send_slots_.size() <= kControlSlots) break;
         const uint32_t slot = free_send_slots_.back();
         free_send_slots_.pop_back();
-        BeginDataFrame(op.size, op.handler, slot);
+        const ImmHeader imm = BeginDataFrame(op.size, op.handler, slot);
         slot_lent_[slot] = op.id;
         const LargeOut& out = large_out_.at(op.id);
-        st = PostSendGather(slot, out.data, op.size, out.lkey);
+        st = PostSendGather(slot, out.data, op.size, out.lkey, imm);
       } else {  // kRts: ordered with DATA, so it shares their queue and credits.
         if (sq_used_ >= opt_.send_depth || free_send_slots_.empty()) break;
         ledger_->ConsumeData();
@@ -974,23 +998,36 @@ class RdmaConnectionImpl final : public std::enable_shared_from_this<RdmaConnect
   // Posts the DATA frame of a `size`-byte message in send slot `slot`
   // (Pump's DATA step, and Send's when PumpWouldPostDataNow()).
   absl::Status PostData(size_t size, SendHandler& handler, uint32_t slot) {
-    BeginDataFrame(size, handler, slot);
-    const size_t bytes = wire::kHeaderSize + size;
-    if ((in_completions_ || in_flush_) && bytes <= max_inline_ && slot_untracked_[slot] != 0)
-      return PostSendDoneAtPost(slot, bytes);
-    return PostSend(slot, bytes);
+    const ImmHeader imm = BeginDataFrame(size, handler, slot);
+    // The body sits after the header's room in the slot; the header goes too
+    // unless it rides in the immediate.
+    const size_t skip = imm.on ? wire::kHeaderSize : 0;
+    const ibv_sge sge{reinterpret_cast<uint64_t>(SendSlot(slot) + skip),
+                      static_cast<uint32_t>(wire::kHeaderSize - skip + size), slots_mr_->lkey};
+    if ((in_completions_ || in_flush_) && sge.length <= max_inline_ && slot_untracked_[slot] != 0)
+      return PostSendDoneAtPost(slot, sge, imm);
+    ibv_sge one = sge;
+    return PostSendSges(slot, &one, sge.length == 0 ? 0 : 1, sge.length, imm);
   }
 
   // Takes a data credit for a `size`-byte message and writes its DATA header,
-  // carrying the credits we owe, into `slot`, which now answers for `handler`
-  // (taken from the caller).
-  void BeginDataFrame(size_t size, SendHandler& handler, uint32_t slot) {
+  // carrying the credits we owe, into `slot` (or returns it as an immediate,
+  // when the peer takes those), which now answers for `handler` (taken from
+  // the caller).
+  ImmHeader BeginDataFrame(size_t size, SendHandler& handler, uint32_t slot) {
     ledger_->ConsumeData();
     auto owed = ledger_->TakeOwed();
-    wire::EncodeHeader({wire::Type::kData, owed.data, owed.ctrl, static_cast<uint32_t>(size), 0}, SendSlot(slot));
+    ImmHeader imm{false, 0};
+    if (imm_to_peer_) {
+      imm = {true, htonl(wire::EncodeImmHeader(owed.data, owed.ctrl))};
+    } else {
+      wire::EncodeHeader({wire::Type::kData, owed.data, owed.ctrl, static_cast<uint32_t>(size), 0}, SendSlot(slot));
+      stats_.header_bytes_sent += wire::kHeaderSize;
+    }
     slot_handlers_[slot].swap(handler);  // Never move-assign: see kNoHandlerAssign.
     slot_untracked_[slot] = slot_handlers_[slot] ? 0 : 1;  // SendUntracked(): counted to the sink
     stats_.eager_bytes += size;
+    return imm;
   }
 
   // Posts one CTS or WRITE if credits and queue room allow. kHoldQueue: the
@@ -1103,7 +1140,15 @@ class RdmaConnectionImpl final : public std::enable_shared_from_this<RdmaConnect
     }
     const std::span<const std::byte> frame(RecvSlot(slot), wc.byte_len);
     wire::Header h;
-    if (!wire::DecodeDataHeader(frame, h)) {  // not the common case: the full check
+    uint32_t body_at = wire::kHeaderSize;  // where a DATA frame's body starts in the slot
+    if ((wc.wc_flags & IBV_WC_WITH_IMM) != 0) {  // a DATA frame, its header in the immediate
+      if (!wire::DecodeImmHeader(ntohl(wc.imm_data), wc.byte_len, h)) {
+        Fail(absl::DataLossError(absl::StrCat("malformed frame from ", peer_uri_, ": immediate 0x",
+                                              absl::Hex(ntohl(wc.imm_data)), " is not a DATA header")));
+        return;
+      }
+      body_at = 0;
+    } else if (!wire::DecodeDataHeader(frame, h)) {  // not the common case: the full check
       auto checked = wire::DecodeHeader(frame);
       if (!checked.ok()) {
         Fail(absl::DataLossError(absl::StrCat("malformed frame from ", peer_uri_, ": ", checked.status().message())));
@@ -1129,10 +1174,10 @@ class RdmaConnectionImpl final : public std::enable_shared_from_this<RdmaConnect
         if (sink_ != nullptr && in_completions_ && ready_.empty()) {
           // Nothing ahead of it: straight into the batch for the sink
           // (Deliver's path, without the ready queue's round trip).
-          sink_ready_.push_back(RecvSlotMessage(slot, h.length));
+          sink_ready_.push_back(RecvSlotMessage(slot, body_at, h.length));
           break;
         }
-        ready_.push_back({false, slot, h.length});
+        ready_.push_back({false, slot, h.length, body_at});
         Deliver();
         break;
       case wire::Type::kRts:
@@ -1164,7 +1209,7 @@ class RdmaConnectionImpl final : public std::enable_shared_from_this<RdmaConnect
     // may wait for the cap (max_rendezvous_bytes_held).
     const uint64_t id = next_large_in_++;
     large_in_.emplace(id, LargeIn{});
-    ready_.push_back({true, id, h.length});
+    ready_.push_back({true, id, h.length, 0});
     deferred_rts_.push_back({id, h.length, h.cookie});
     if (deferred_rts_.size() > 1 || !MayHold(h.length)) ++stats_.rendezvous_deferred;
     GrantDeferred();
@@ -1274,10 +1319,11 @@ class RdmaConnectionImpl final : public std::enable_shared_from_this<RdmaConnect
     return absl::OkStatus();
   }
 
-  // The `size`-byte body of the DATA frame in receive slot `slot`, lent: the
-  // slot's RECV is posted again when the Message is released.
-  Message RecvSlotMessage(uint32_t slot, size_t size) {
-    return Message({RecvSlot(slot) + wire::kHeaderSize, size}, this, MakeToken(kTokRecvSlot, slot));
+  // The `size`-byte body at `offset` in receive slot `slot` (after the header,
+  // or at 0 when the header was the immediate), lent: the slot's RECV is
+  // posted again when the Message is released.
+  Message RecvSlotMessage(uint32_t slot, uint32_t offset, size_t size) {
+    return Message({RecvSlot(slot) + offset, size}, this, MakeToken(kTokRecvSlot, slot));
   }
 
   // The message at the front of ready_, if it may be read (a large one once
@@ -1291,7 +1337,7 @@ class RdmaConnectionImpl final : public std::enable_shared_from_this<RdmaConnect
       if (!in.complete) return std::nullopt;
       msg = Message({in.data, e.size}, this, MakeToken(kTokLargeIn, e.index));
     } else {
-      msg = RecvSlotMessage(static_cast<uint32_t>(e.index), e.size);
+      msg = RecvSlotMessage(static_cast<uint32_t>(e.index), e.body_at, e.size);
     }
     ready_.pop_front();
     return msg;
@@ -1670,6 +1716,9 @@ class RdmaConnectionImpl final : public std::enable_shared_from_this<RdmaConnect
   size_t max_write_chunk_ = 0;
   size_t eager_limit_ = 0;  // opt_.eager_limit within the device's max message.
   size_t eager_to_peer_ = 0;
+  // Both ends offered kHelloImmData: our DATA frames carry their header in
+  // the immediate (RdmaOptions::data_header_in_immediate).
+  bool imm_to_peer_ = false;
   uint64_t peer_max_message_ = 0;
   std::string peer_uri_;
 

@@ -6,7 +6,9 @@
 //   CTS     body = Grant: where to RDMA WRITE message #cookie
 //   CREDIT  no body; only returns credits
 // RDMA WRITE_WITH_IMM (imm = grant id) carries rendezvous payloads and has no
-// header at all. Every field read from the wire is validated by Decode before
+// header at all. Between peers that both offer kHelloImmData a DATA frame is a
+// SEND_WITH_IMM of the body alone, its header packed into the 32-bit immediate
+// (EncodeImmHeader): a 64-byte message is 64 bytes on the wire, not 80. Every field read from the wire is validated by Decode before
 // anything uses it.
 #pragma once
 
@@ -59,6 +61,9 @@ inline constexpr size_t kHelloSize = 24;
 // Peers from before this flag ignore it and the bytes after the hello.
 inline constexpr uint16_t kHelloAuthProof = 1;
 inline constexpr size_t kHelloWithProofSize = kHelloSize + auth::kProofBytes;
+// The sender accepts DATA frames whose header rides in the immediate
+// (EncodeImmHeader); both peers must offer it before either sends one.
+inline constexpr uint16_t kHelloImmData = 2;
 static_assert(kHelloWithProofSize <= 56, "rdma_cm RC connect private data is 56 bytes at most");
 
 void EncodeHeader(const Header& h, std::byte* out) noexcept;
@@ -87,6 +92,25 @@ inline bool DecodeDataHeader(std::span<const std::byte> frame, Header& h) noexce
   h.ctrl_credits = static_cast<uint8_t>(w >> 56);
   h.length = length;
   h.cookie = wire_bytes::LoadLE<uint32_t>(frame.data() + 12);
+  return true;
+}
+// A DATA frame's header as a SEND_WITH_IMM immediate (host order; the verbs
+// field is big-endian): bits 0-3 type (kData), 4-7 version, 8-15 ctrl
+// credits, 16-31 data credits. The body's length is the SEND's byte count,
+// so it needs no field; DATA frames carry no cookie.
+inline uint32_t EncodeImmHeader(uint16_t data_credits, uint8_t ctrl_credits) noexcept {
+  return uint32_t{static_cast<uint8_t>(Type::kData)} | uint32_t{kVersion} << 4 | uint32_t{ctrl_credits} << 8 |
+         uint32_t{data_credits} << 16;
+}
+// False unless `imm` is a DATA header of our version; `byte_len` is what the
+// RECV completion reported, the body's length.
+inline bool DecodeImmHeader(uint32_t imm, uint32_t byte_len, Header& h) noexcept {
+  if ((imm & 0xFF) != (uint32_t{static_cast<uint8_t>(Type::kData)} | uint32_t{kVersion} << 4)) return false;
+  h.type = Type::kData;
+  h.ctrl_credits = static_cast<uint8_t>(imm >> 8);
+  h.data_credits = static_cast<uint16_t>(imm >> 16);
+  h.length = byte_len;
+  h.cookie = 0;
   return true;
 }
 absl::StatusOr<Grant> DecodeGrant(std::span<const std::byte> body) noexcept;
