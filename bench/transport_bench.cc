@@ -8,6 +8,7 @@
 //                   [--device=NAME] [--ip=ADDR] [--with-perftest] [--phase-ms=3000] [--spin]
 //                   [--rtc]   (busy/adaptive: run to completion, no poller thread)
 //                   [--grant-windows=1|0]  (rendezvous grants: windows over a pool, or an MR per message)
+//                   [--imm-headers=1|0]  (DATA headers in the SEND's immediate, or 16 bytes before the body)
 //                   [--phases=latency,bandwidth]  (one of them alone: e.g. for strace -c of the ping-pong)
 //                   [--rounds=N]  (all of it N times, perftest in each round; medians, ratios per round)
 //                   [--stats]  (both ends' connection counters after each size: registrations, credit waits...)
@@ -69,6 +70,7 @@ struct Flags {
   bool rtc = false;  // RdmaOptions::run_to_completion
   bool receive = false;  // --receive: a Receive() per message instead of the MessageSink
   bool grant_windows = rdmarpc::rdma::RdmaOptions{}.grant_windows;  // --grant-windows; the library's default
+  bool imm_headers = rdmarpc::rdma::RdmaOptions{}.data_header_in_immediate;  // --imm-headers; likewise
   // --phases: which measurements run. Latency alone makes a run whose syscalls
   // and instructions (strace -c, callgrind) are the ping-pong's only.
   bool latency = true, bandwidth = true;
@@ -83,7 +85,7 @@ struct Flags {
   std::fprintf(stderr,
                "transport_bench: %s\nusage: transport_bench [--transport=rdma,tcp] [--sizes=64,4096,...] "
                "[--iters=N] [--window=N] [--poll=event|adaptive|busy] [--device=NAME] [--ip=ADDR] "
-               "[--with-perftest] [--phase-ms=MS] [--spin] [--rtc] [--grant-windows=1|0] [--receive] "
+               "[--with-perftest] [--phase-ms=MS] [--spin] [--rtc] [--grant-windows=1|0] [--imm-headers=1|0] [--receive] "
                "[--phases=latency,bandwidth] [--rounds=N] [--stats]\n",
                why.c_str());
   std::exit(2);
@@ -130,6 +132,9 @@ Flags Parse(int argc, char** argv) {
       f.rtc = true;
     } else if (key == "--receive") {
       f.receive = true;
+    } else if (key == "--imm-headers") {
+      if (val != "0" && val != "1") Usage("--imm-headers takes 1 (DATA headers in the immediate) or 0 (16 bytes before the body)");
+      f.imm_headers = val == "1";
     } else if (key == "--grant-windows") {
       if (val != "0" && val != "1") Usage("--grant-windows takes 1 (memory windows over a pool) or 0 (an MR per message)");
       f.grant_windows = val == "1";
@@ -434,6 +439,7 @@ absl::Status RunTransport(const std::string& name, const Flags& f, std::vector<R
   ro.poll_mode = f.poll;
   ro.run_to_completion = f.rtc;
   ro.grant_windows = f.grant_windows;
+  ro.data_header_in_immediate = f.imm_headers;
   if (name == "rdma") {
     auto c = rdmarpc::rdma::RdmaContext::Open({.name = f.device});
     if (!c.ok()) return c.status();
@@ -547,9 +553,10 @@ int main(int argc, char** argv) {
   for (int round = 1; round <= f.rounds; ++round) {
     std::vector<Row> rows;
     for (const auto& t : f.transports) {
-      std::fprintf(stderr, "== %s (poll=%s%s%s)%s\n", t.c_str(), rdmarpc::rdma::PollModeName(f.poll),
+      std::fprintf(stderr, "== %s (poll=%s%s%s%s)%s\n", t.c_str(), rdmarpc::rdma::PollModeName(f.poll),
                    f.rtc ? ", run to completion" : "",
                    t == "rdma" ? (f.grant_windows ? ", grants: windows over a pool" : ", grants: an MR per message") : "",
+                   t == "rdma" && !f.imm_headers ? ", DATA headers before the body" : "",
                    f.rounds > 1 ? absl::StrCat(" round ", round, " of ", f.rounds).c_str() : "");
       if (auto st = RunTransport(t, f, rows); !st.ok()) {
         std::fprintf(stderr, "transport_bench: %s: %s\n", t.c_str(), st.ToString().c_str());

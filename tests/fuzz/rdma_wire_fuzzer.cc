@@ -1,7 +1,8 @@
 // libFuzzer target: the RDMA transport's wire decoders (transport/rdma/wire.h):
 // DecodeHello (the rdma_cm private-data handshake), DecodeHeader (every SEND's
-// 16-byte header) and DecodeGrant (a CTS body). Every input goes through all
-// three; none needs a device.
+// 16-byte header), DecodeGrant (a CTS body) and DecodeImmHeader (a DATA
+// header in a SEND_WITH_IMM's immediate). Every input goes through all four;
+// none needs a device.
 //
 // Invariants:
 //  - Header: a decoded header re-encodes to the input's first 16 bytes exactly
@@ -11,6 +12,9 @@
 //    (DecodeDataHeader) takes exactly the frames DecodeHeader decodes as
 //    DATA, with the same fields.
 //  - Grant: decodes exactly when the body is 16 bytes, and re-encodes to it.
+//  - Immediate: the input's first 4 bytes as an immediate decode exactly when
+//    their low byte is DATA of our version, re-encode to the same 32 bits,
+//    and take the RECV's byte count as the body's length.
 //  - Hello: decodes only from >= 24 bytes, the limits it promises hold, and it
 //    re-encodes to the input's first 24 bytes with the reserved fields zeroed.
 //  - From fields: the input read as field values encodes and decodes back to
@@ -64,6 +68,9 @@ std::vector<Seed> Seeds() {
   seeds.push_back({"cts", EncodeHeader({.type = wire::Type::kCts, .length = 1 << 20, .cookie = 41}, EncodeGrant(grant))});
   seeds.push_back({"credit", EncodeHeader({.type = wire::Type::kCredit, .data_credits = 16, .ctrl_credits = 2})});
   seeds.push_back({"grant", EncodeGrant(grant)});
+  const uint32_t imm = wire::EncodeImmHeader(3, 1);  // little-endian, as Reader reads it
+  seeds.push_back({"immediate", std::string{char(imm & 0xFF), char(imm >> 8 & 0xFF), char(imm >> 16 & 0xFF),
+                                            char(imm >> 24), '\x40', '\0', '\0', '\0'}});
   std::string reserved = EncodeHeader({.type = wire::Type::kCredit});
   reserved[4] = '\x01';
   seeds.push_back({"header-reserved-bits", reserved});
@@ -116,6 +123,18 @@ void CheckHeader(std::span<const std::byte> input) {
   }
   std::string again = EncodeHeader(*h);
   FUZZ_CHECK(std::memcmp(again.data(), input.data(), wire::kHeaderSize) == 0, "re-encoded header differs");
+}
+
+void CheckImmediate(std::span<const std::byte> input) {
+  Reader r{input};
+  const uint32_t imm = r.Get<uint32_t>();
+  const uint32_t byte_len = r.Get<uint32_t>();
+  wire::Header h;
+  const bool took = wire::DecodeImmHeader(imm, byte_len, h);
+  FUZZ_CHECK(took == ((imm & 0xFF) == wire::EncodeImmHeader(0, 0)), "immediate ", imm, " decoded ", took);
+  if (!took) return;
+  FUZZ_CHECK(h.type == wire::Type::kData && h.length == byte_len && h.cookie == 0, "immediate header fields");
+  FUZZ_CHECK(wire::EncodeImmHeader(h.data_credits, h.ctrl_credits) == imm, "re-encoded immediate differs");
 }
 
 void CheckGrant(std::span<const std::byte> input) {
@@ -202,6 +221,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   CheckHello(input);
   CheckHeader(input);
   CheckGrant(input);
+  CheckImmediate(input);
   CheckRoundTrips(input);
   return 0;
 }
