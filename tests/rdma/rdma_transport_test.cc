@@ -140,11 +140,16 @@ TEST_P(RdmaTransport, EverySizeArrivesIntactInBothDirections) {
 // alone, its header in the immediate: no header bytes on the wire for it. An
 // end that does not offer it (a peer from before) gets headers and sends them.
 // Either way every eager size, 0 and the eager limit included, arrives intact
-// in both directions.
+// in both directions, prepared or from the application's registered memory
+// (SendRegistered's gather).
 TEST(RdmaTransportWire, DataHeadersRideInTheImmediateOnlyWhenBothEndsOfferIt) {
   auto ctx = OpenContext();
   ASSERT_TRUE(ctx);
   const size_t eager = RdmaOptions{}.eager_limit;
+  BufferPoolOptions po;
+  po.class_bytes = {256};
+  auto pool = BufferPool::CreateForDevice(ctx->device(), po);
+  ASSERT_TRUE(pool.ok()) << pool.status();
   for (bool server_offers : {true, false}) {
     for (bool client_offers : {true, false}) {
       SCOPED_TRACE(::testing::Message() << "server offers " << server_offers << ", client offers " << client_offers);
@@ -159,12 +164,34 @@ TEST(RdmaTransportWire, DataHeadersRideInTheImmediateOnlyWhenBothEndsOfferIt) {
         ExpectDelivered(io, *p.client, *p.server, size);
         ExpectDelivered(io, *p.server, *p.client, size);
       }
+      for (size_t size : {size_t{0}, size_t{64}}) {  // client -> server from registered memory
+        SCOPED_TRACE(::testing::Message() << "registered " << size);
+        auto b = (*pool)->Acquire(size);
+        ASSERT_TRUE(b.ok()) << b.status();
+        for (size_t i = 0; i < size; ++i) b->data()[i] = std::byte(PatternByte(size, i));
+        bool sent = false, received = false;
+        SendRegistered(*p.client, std::make_shared<const Buffer>(std::move(*b)), [&](absl::Status st) {
+          EXPECT_TRUE(st.ok()) << st;
+          sent = true;
+        });
+        p.server->Receive([&](absl::StatusOr<Message> m) {
+          received = true;
+          ASSERT_TRUE(m.ok()) << m.status();
+          ASSERT_EQ(m->size(), size);
+          for (size_t i = 0; i < size; ++i) ASSERT_EQ(m->data()[i], std::byte(PatternByte(size, i))) << i;
+        });
+        const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+        while ((!sent || !received) && std::chrono::steady_clock::now() < deadline)
+          io.run_one_for(std::chrono::milliseconds(100));
+        EXPECT_TRUE(sent && received);
+      }
       const bool in_immediate = server_offers && client_offers;
       for (Connection* c : {p.client.get(), p.server.get()}) {
         const auto st = c->stats();
-        EXPECT_EQ(st.messages_sent, 6u);
+        const uint64_t messages = c == p.client.get() ? 8 : 6;
+        EXPECT_EQ(st.messages_sent, messages);
         // Eager traffic sends no RTS or CTS: CREDIT frames are its only control frames.
-        EXPECT_EQ(st.header_bytes_sent, wire::kHeaderSize * (st.credit_frames_sent + (in_immediate ? 0 : 6)));
+        EXPECT_EQ(st.header_bytes_sent, wire::kHeaderSize * (st.credit_frames_sent + (in_immediate ? 0 : messages)));
       }
     }
   }

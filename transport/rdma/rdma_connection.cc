@@ -895,7 +895,6 @@ class RdmaConnectionImpl final : public std::enable_shared_from_this<RdmaConnect
       ibv_sge sge{reinterpret_cast<uint64_t>(data), static_cast<uint32_t>(bytes), lkey};
       return PostSendSges(slot, &sge, bytes == 0 ? 0 : 1, bytes, imm);
     }
-    stats_.header_bytes_sent += wire::kHeaderSize;
     ibv_sge sge[2] = {{reinterpret_cast<uint64_t>(SendSlot(slot)), static_cast<uint32_t>(wire::kHeaderSize),
                        slots_mr_->lkey},
                       {reinterpret_cast<uint64_t>(data), static_cast<uint32_t>(bytes), lkey}};
