@@ -755,10 +755,7 @@ class RdmaConnectionImpl final : public std::enable_shared_from_this<RdmaConnect
   };
   struct HeldPosts {
     HeldPosts() {  // What every held WR shares is written once; the rest per post.
-      for (int i = 0; i < kHeldWrs; ++i) {
-        send_wr[i].opcode = IBV_WR_SEND;
-        send_wr[i].sg_list = send_sge[i];
-      }
+      for (int i = 0; i < kHeldWrs; ++i) send_wr[i].sg_list = send_sge[i];
     }
     int sends = 0;
     ibv_send_wr send_wr[kHeldWrs] = {};
@@ -1727,11 +1724,7 @@ class RdmaConnectionImpl final : public std::enable_shared_from_this<RdmaConnect
   SlotStack free_send_slots_;
   // PostSendWr's one SEND posted at once: a work request of ~130 bytes, not
   // zeroed again for each post. (Providers read a posted WR, never write it.)
-  ibv_send_wr single_send_wr_ = [] {
-    ibv_send_wr wr{};
-    wr.opcode = IBV_WR_SEND;
-    return wr;
-  }();
+  ibv_send_wr single_send_wr_{};
   std::vector<SendHandler> slot_handlers_;  // By send slot: whom to tell when its SEND completes.
   std::vector<uint64_t> slot_lent_;  // By send slot: the large_out_ key of a lent Buffer it gathers, or 0.
   std::vector<uint8_t> slot_untracked_;  // By send slot: 1 while it carries a SendUntracked() message.
