@@ -998,12 +998,11 @@ class RdmaConnectionImpl final : public std::enable_shared_from_this<RdmaConnect
     // The body sits after the header's room in the slot; the header goes too
     // unless it rides in the immediate.
     const size_t skip = imm.on ? wire::kHeaderSize : 0;
-    const ibv_sge sge{reinterpret_cast<uint64_t>(SendSlot(slot) + skip),
-                      static_cast<uint32_t>(wire::kHeaderSize - skip + size), slots_mr_->lkey};
+    ibv_sge sge{reinterpret_cast<uint64_t>(SendSlot(slot) + skip), static_cast<uint32_t>(wire::kHeaderSize - skip + size),
+                slots_mr_->lkey};
     if ((in_completions_ || in_flush_) && sge.length <= max_inline_ && slot_untracked_[slot] != 0)
       return PostSendDoneAtPost(slot, sge, imm);
-    ibv_sge one = sge;
-    return PostSendSges(slot, &one, sge.length == 0 ? 0 : 1, sge.length, imm);
+    return PostSendSges(slot, &sge, sge.length == 0 ? 0 : 1, sge.length, imm);
   }
 
   // Takes a data credit for a `size`-byte message and writes its DATA header,

@@ -8,7 +8,8 @@
 // RDMA WRITE_WITH_IMM (imm = grant id) carries rendezvous payloads and has no
 // header at all. Between peers that both offer kHelloImmData a DATA frame is a
 // SEND_WITH_IMM of the body alone, its header packed into the 32-bit immediate
-// (EncodeImmHeader): a 64-byte message is 64 bytes on the wire, not 80. Every field read from the wire is validated by Decode before
+// (EncodeImmHeader): a 64-byte message is 64 bytes on the wire, not 80.
+// Every field read from the wire is validated by Decode before
 // anything uses it.
 #pragma once
 
