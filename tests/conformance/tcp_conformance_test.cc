@@ -42,17 +42,28 @@ TransportUnderTest TcpOnLoopback(std::string name, tcp::TcpOptions options) {
   return t;
 }
 
+TransportUnderTest OneThread(TransportUnderTest t) {
+  t.io_concurrency_hint = 1;
+  return t;
+}
+
 // Default options, and limits small enough that the suite also runs the
 // backend's edge paths: the read loop pausing on a full queue and resuming,
 // pooled buffers being freed and reallocated, frames at a small size limit.
 // Every poll mode (TcpOptions::poll_mode) passes the same suite; adaptive with
 // a short spin so that the suite's pauses send it back to the reactor and the
-// next bytes wake it.
+// next bytes wake it. The OneThread variants run on an io_context made with
+// concurrency hint 1, where polling connections share one read pass a turn
+// (PollGroup in tcp_transport.cc) instead of posting one each.
 INSTANTIATE_TEST_SUITE_P(Tcp, TransportConformance,
                          ::testing::Values(TcpOnLoopback("Default", {}),
                                            TcpOnLoopback("Busy", {.poll_mode = tcp::PollMode::kBusy}),
                                            TcpOnLoopback("Adaptive", {.poll_mode = tcp::PollMode::kAdaptive,
                                                                       .adaptive_spin = std::chrono::microseconds(200)}),
+                                           OneThread(TcpOnLoopback("BusyOneThread", {.poll_mode = tcp::PollMode::kBusy})),
+                                           OneThread(TcpOnLoopback("AdaptiveOneThread",
+                                                                   {.poll_mode = tcp::PollMode::kAdaptive,
+                                                                    .adaptive_spin = std::chrono::microseconds(200)})),
                                            TcpOnLoopback("TightLimits", {.max_message_size = 64 << 10,
                                                                          .max_queued_messages = 4,
                                                                          .max_queued_bytes = 16 << 10,

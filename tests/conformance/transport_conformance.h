@@ -42,6 +42,10 @@ struct TransportUnderTest {
   // Each connection end has a thread spinning on its completions (RDMA busy
   // polling): tests with many connections must not assume spare cores.
   bool busy_polling = false;
+  // The fixture's io_context's concurrency hint. 1 says one thread runs it,
+  // which lets the TCP backend's polling connections share one read pass a
+  // turn (tcp_transport.cc, PollGroup).
+  int io_concurrency_hint = BOOST_ASIO_CONCURRENCY_HINT_DEFAULT;
   // listen/connect with a shared-secret auth token (empty: none), for the
   // authentication tests (transport/common/auth.h); they skip when unset.
   std::function<absl::StatusOr<std::unique_ptr<transport::Listener>>(asio::any_io_executor, const std::string& token)>
@@ -97,7 +101,7 @@ class TransportConformance : public ::testing::TestWithParam<TransportUnderTest>
   absl::Status SendAndWait(transport::Connection& connection, std::span<const std::byte> bytes);
   absl::StatusOr<transport::Message> ReceiveAndWait(transport::Connection& connection);
 
-  asio::io_context io_;
+  asio::io_context io_{GetParam().io_concurrency_hint};
   std::unique_ptr<transport::Listener> listener_;
 
  private:

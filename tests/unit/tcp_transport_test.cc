@@ -155,6 +155,9 @@ constexpr std::chrono::seconds kWait{30};
 
 class TcpTransportTest : public ::testing::Test {
  protected:
+  // hint: the io_context's concurrency hint (1: one thread runs it).
+  explicit TcpTransportTest(int hint = BOOST_ASIO_CONCURRENCY_HINT_DEFAULT) : io_(hint) {}
+
   bool RunUntil(const std::function<bool()>& done, Clock::duration limit = kWait) {
     const auto deadline = Clock::now() + limit;
     io_.restart();
@@ -259,6 +262,33 @@ class TcpTransportTest : public ::testing::Test {
     std::tie(p.client, p.server) = ConnectPair(*p.listener, options);
     if (p.client != nullptr) ExpectWorks(*p.client, *p.server, "first");
     return p;
+  }
+
+  // Handlers io_ runs while `n` messages go from `from` to `to` and back,
+  // one at a time.
+  size_t HandlersForRoundTrips(Connection& from, Connection& to, int n) {
+    size_t handlers = 0;
+    io_.restart();
+    const auto deadline = Clock::now() + kWait;
+    for (int i = 0; i < n; ++i) {
+      for (auto [a, b] : {std::pair<Connection*, Connection*>{&from, &to}, {&to, &from}}) {
+        bool sent = false, received = false;
+        a->async_send(std::as_bytes(std::span<const char>("turn", 4)), [&](absl::Status s) {
+          EXPECT_TRUE(s.ok()) << s;
+          sent = true;
+        });
+        b->async_receive([&](absl::StatusOr<Message> m) {
+          EXPECT_TRUE(m.ok()) << m.status();
+          received = true;
+        });
+        while (!(sent && received) && Clock::now() < deadline) handlers += io_.run_one_for(std::chrono::milliseconds(100));
+        if (!(sent && received)) {
+          ADD_FAILURE() << "round trip " << i << " did not finish";
+          return handlers;
+        }
+      }
+    }
+    return handlers;
   }
 
   // Whether the executor runs out of work within `limit`, one handler at a
@@ -415,13 +445,25 @@ TEST(TcpPollModeTest, ParsesItsOwnNamesAndRefusesOthers) {
   }
 }
 
+// The polling tests run on an io_context that any number of threads may run
+// (the default hint: a pass per connection) and on one that one thread runs
+// (hint 1: the connections' passes share a task a turn).
+class TcpPollingTest : public TcpTransportTest, public ::testing::WithParamInterface<int> {
+ protected:
+  TcpPollingTest() : TcpTransportTest(GetParam()) {}
+};
+INSTANTIATE_TEST_SUITE_P(Hint, TcpPollingTest, ::testing::Values(BOOST_ASIO_CONCURRENCY_HINT_DEFAULT, 1),
+                         [](const ::testing::TestParamInfo<int>& param) {
+                           return param.param == 1 ? std::string("OneThread") : std::string("AnyThreads");
+                         });
+
 // TcpOptions::poll_mode: busy keeps a read pass (a non-blocking recv()) queued
 // on the connection's executor for as long as the connection lives, so that
 // executor never runs dry; adaptive keeps one only until adaptive_spin passes
 // without a byte, then waits in the reactor (the executor runs dry), and the
 // next message wakes it and polling resumes. In event mode a connection
 // waiting for a message has nothing queued.
-TEST_F(TcpTransportTest, PollModesPollFromTheExecutorBusyForeverAdaptiveUntilQuiet) {
+TEST_P(TcpPollingTest, PollModesPollFromTheExecutorBusyForeverAdaptiveUntilQuiet) {
   for (PollMode mode : {PollMode::kEvent, PollMode::kAdaptive, PollMode::kBusy}) {
     SCOPED_TRACE(PollModeName(mode));
     auto [listener, client, server] =
@@ -442,6 +484,44 @@ TEST_F(TcpTransportTest, PollModesPollFromTheExecutorBusyForeverAdaptiveUntilQui
     if (mode != PollMode::kEvent) {
       EXPECT_GT(io_.poll_one(), 0u) << "polling did not resume after the quiet spell";
     }
+  }
+}
+
+// An io_context made with concurrency hint 1: Asio's promise that one thread
+// runs it, which lets polling connections share one read pass a turn.
+class TcpOneThreadTest : public TcpTransportTest {
+ protected:
+  TcpOneThreadTest() : TcpTransportTest(1) {}
+
+};
+
+// With one thread running the io_context, the polling connections' read
+// passes run together from one queued task a turn (tcp_transport.cc,
+// PollGroup), where each connection queued its own: a scheduler operation is
+// ~280 instructions (bench/cpu_per_call). Counted as the handlers the
+// io_context runs for a ping-pong between the two ends of one connection, both
+// polling: per message its send completion and one task that runs both ends'
+// passes. Without the group each end's pass is a task of its own, and the one
+// that finds nothing runs too: three handlers a message (the next test).
+TEST_F(TcpOneThreadTest, PollingConnectionsShareOneReadPassATurn) {
+  constexpr int kRoundTrips = 200;
+  for (PollMode mode : {PollMode::kBusy, PollMode::kAdaptive}) {
+    SCOPED_TRACE(PollModeName(mode));
+    auto [listener, client, server] = ConnectWorking({.poll_mode = mode, .adaptive_spin = std::chrono::seconds(5)});
+    ASSERT_NE(client, nullptr);
+    EXPECT_LE(HandlersForRoundTrips(*client, *server, kRoundTrips), 2u * 2 * kRoundTrips);
+  }
+}
+
+// An io_context that more than one thread may run (the default hint): each
+// polling connection posts its own pass (the group's lists are not locked).
+TEST_F(TcpTransportTest, PollingConnectionsOfAContextManyThreadsMayRunPassEach) {
+  constexpr int kRoundTrips = 200;
+  for (PollMode mode : {PollMode::kBusy, PollMode::kAdaptive}) {
+    SCOPED_TRACE(PollModeName(mode));
+    auto [listener, client, server] = ConnectWorking({.poll_mode = mode, .adaptive_spin = std::chrono::seconds(5)});
+    ASSERT_NE(client, nullptr);
+    EXPECT_GE(HandlersForRoundTrips(*client, *server, kRoundTrips), 3u * 2 * kRoundTrips);
   }
 }
 
@@ -483,7 +563,7 @@ bool SignalsReadable(int fd) {
 // making it readable to epoll until the next pass takes them, and none is
 // lost. A socket that waits in the reactor (event mode, adaptive gone quiet)
 // does signal, or its wait would never end.
-TEST_F(TcpTransportTest, PolledSocketsDoNotSignalArrivingBytesWaitingOnesDo) {
+TEST_P(TcpPollingTest, PolledSocketsDoNotSignalArrivingBytesWaitingOnesDo) {
   for (PollMode mode : {PollMode::kEvent, PollMode::kAdaptive, PollMode::kBusy}) {
     SCOPED_TRACE(PollModeName(mode));
     auto [listener, client, server] =
