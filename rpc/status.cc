@@ -66,10 +66,6 @@ const boost::system::error_category& rpc_category() noexcept {
   return category;
 }
 
-boost::system::error_code make_error_code(StatusCode code) noexcept {
-  return boost::system::error_code(static_cast<int>(code), rpc_category());
-}
-
 StatusCode ToStatusCode(const boost::system::error_code& ec) noexcept {
   if (!ec) return StatusCode::kOk;
   if (ec.category() == rpc_category()) return static_cast<StatusCode>(ec.value());

@@ -79,6 +79,10 @@ TEST(Status, ErrorCategoryWorksForBoostAndStdErrorCodes) {
   EXPECT_EQ(ec.message(), "UNAVAILABLE");
   EXPECT_TRUE(static_cast<bool>(ec));
   EXPECT_FALSE(static_cast<bool>(make_error_code(StatusCode::kOk)));
+  // OK is the empty error_code (as Asio reports success), equal to kOk both ways.
+  EXPECT_EQ(make_error_code(StatusCode::kOk), boost::system::error_code());
+  EXPECT_TRUE(boost::system::error_code() == StatusCode::kOk);
+  EXPECT_EQ(ToStatusCode(make_error_code(StatusCode::kOk)), StatusCode::kOk);
   std::error_code std_ec = ec;
   EXPECT_EQ(std_ec.value(), 14);
   EXPECT_EQ(std_ec.message(), "UNAVAILABLE");
