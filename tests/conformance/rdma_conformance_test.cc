@@ -72,12 +72,19 @@ TransportUnderTest Rdma(rdma::PollMode mode, Pollers pollers = Pollers::kOwn) {
 std::vector<TransportUnderTest> Instances() {
   // "_shared": every connection of the binary on one shared poller thread.
   // "_rtc": run to completion, the executor's thread polls (no poller thread).
+  // "_one_thread": on an io_context made with concurrency hint 1, where the
+  // connections' spin passes share one task a turn (transport/poll_group.h);
+  // busy "_rtc" keeps a pass per connection (the default hint).
+  TransportUnderTest adaptive_rtc_one_thread = Rdma(rdma::PollMode::kAdaptive, Pollers::kRunToCompletion);
+  adaptive_rtc_one_thread.name += "_one_thread";
+  adaptive_rtc_one_thread.io_concurrency_hint = 1;
   return {Rdma(rdma::PollMode::kEvent),
           Rdma(rdma::PollMode::kAdaptive),
           Rdma(rdma::PollMode::kBusy),
           Rdma(rdma::PollMode::kAdaptive, Pollers::kShared),
           Rdma(rdma::PollMode::kBusy, Pollers::kShared),
           Rdma(rdma::PollMode::kAdaptive, Pollers::kRunToCompletion),
+          adaptive_rtc_one_thread,
           Rdma(rdma::PollMode::kBusy, Pollers::kRunToCompletion)};
 }
 

@@ -20,6 +20,7 @@
 #include "transport/common/log.h"
 #include "transport/completion.h"
 #include "transport/handler_memory.h"
+#include "transport/poll_group.h"
 
 namespace rdmarpc::rdma {
 namespace {
@@ -56,6 +57,9 @@ struct SinkBox {
   // because one may still be queued when the poller is gone.
   transport::OpMemory spin_memory;
   transport::OpMemory wait_memory;
+  // EventPoller's spin pass is in its executor's PollGroup list for the
+  // next turn (here for the same reason).
+  bool enlisted = false;
 };
 
 // Hands a batch to the sink on `ex`, unless the poller was stopped meanwhile.
@@ -210,7 +214,16 @@ class EventPoller final : public Poller {
   // handler cache. A lean handler (handler_memory.h): ~120 instructions less
   // a pass than one wrapped by bind_allocator or append, which Asio posts through a
   // work_dispatcher.
+  // On an io_context one thread runs, the passes of all its connections go
+  // out as one task a turn (transport/poll_group.h).
   void PostSpin() {
+    if (group_ != nullptr) {
+      if (!box_->enlisted) {
+        box_->enlisted = true;
+        group_->Enlist(this, box_.get(), &GroupSpin, [this] { return box_; });
+      }
+      return;
+    }
     auto pass = transport::WithOpMemory(box_->spin_memory, [this, box = box_] {
       if (!box->stopped) SpinPass(*box);
     });
@@ -219,6 +232,14 @@ class EventPoller final : public Poller {
       return;
     }
     asio::post(spin_ex_, std::move(pass));
+  }
+
+  // From group_: the pass of the turn. `held` is the box; the poller may be
+  // gone when the box says stopped.
+  static void GroupSpin(void* poller, void* held) {
+    auto* box = static_cast<SinkBox*>(held);
+    box->enlisted = false;
+    if (!box->stopped) static_cast<EventPoller*>(poller)->SpinPass(*box);
   }
 
   // Polls per pass while the CQ stays empty. A pass costs a post through the
@@ -274,6 +295,8 @@ class EventPoller final : public Poller {
   unsigned unacked_ = 0;
   const Spin spin_;
   QuietTimer quiet_;
+  // Spinning on an io_context one thread runs: its group runs the passes.
+  transport::PollGroup* const group_ = spin_ == Spin::kNone ? nullptr : transport::PollGroup::For(spin_ex_);
 };
 
 class ThreadPoller final : public Poller {

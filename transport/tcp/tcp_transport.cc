@@ -26,7 +26,6 @@
 #include <boost/asio/co_spawn.hpp>
 #include <boost/asio/connect.hpp>
 #include <boost/asio/experimental/awaitable_operators.hpp>
-#include <boost/asio/io_context.hpp>
 #include <boost/asio/ip/tcp.hpp>
 #include <boost/asio/read.hpp>
 #include <boost/asio/steady_timer.hpp>
@@ -40,6 +39,7 @@
 #include "transport/common/little_endian.h"
 #include "transport/completion.h"
 #include "transport/handler_memory.h"
+#include "transport/poll_group.h"
 #include "transport/uri.h"
 
 namespace rdmarpc::transport::tcp {
@@ -306,66 +306,6 @@ class ReadBuffers final : public BufferOwner {
   size_t retired_ = 0;  // Pinned, not current.
 };
 
-// ---- read passes shared by the connections of one thread --------------------------
-
-class ConnectionCore;
-
-// The read passes of the polling connections (TcpOptions::poll_mode busy or
-// adaptive) whose executor is an io_context that one thread runs: one task on
-// that io_context's queue runs a pass for each of them per turn, where each
-// connection would otherwise post a task of its own. A scheduler operation
-// costs ~280 instructions (post, queue lock, run, work count, handler memory,
-// the connection reference); with the client and the server of a call on one
-// thread, as in bench/cpu_per_call, two passes a call become one, and a
-// server polling many connections posts one task per turn, not one per
-// connection. One per io_context (an Asio service); used only when Asio was
-// told one thread runs it (concurrency hint 1, or one of the UNSAFE hints):
-// its lists are not locked.
-class PollGroup final : public asio::execution_context::service {
- public:
-  using key_type = PollGroup;
-  static inline asio::execution_context::id id;
-
-  explicit PollGroup(asio::io_context& io) : service(io), io_(io) {}
-
-  // The group of `ex`'s io_context, or null when the executor is anything
-  // else (a strand, another context) or the io_context may be run by more
-  // than one thread.
-  static PollGroup* For(const asio::any_io_executor& ex) {
-    const auto* io_ex = ex.target<asio::io_context::executor_type>();
-    if (io_ex == nullptr) return nullptr;
-    asio::io_context& io = io_ex->context();
-    // Asio's own "one thread" test (scheduler::one_thread_), from the hint
-    // the io_context was made with.
-    const int hint = asio::use_service<asio::detail::scheduler>(io).concurrency_hint();
-    if (hint != 1 && BOOST_ASIO_CONCURRENCY_HINT_IS_LOCKING(SCHEDULER, hint)) return nullptr;
-    return &asio::use_service<PollGroup>(io);
-  }
-
-  // `core` wants a read pass on the next turn (once: the core keeps track).
-  // From its own pass, the turn's reference moves on (no count up and down).
-  inline void Enlist(ConnectionCore* core);
-
- private:
-  void shutdown() override {
-    next_.clear();
-    now_.clear();
-  }
-  void Post() {
-    posted_ = true;
-    asio::post(io_, transport::WithOpMemory(memory_, [this] { Run(); }));
-  }
-  inline void Run();
-
-  asio::io_context& io_;
-  std::vector<std::shared_ptr<ConnectionCore>> next_;  // passes for the next turn
-  std::vector<std::shared_ptr<ConnectionCore>> now_;   // this turn's, while Run() runs them
-  std::shared_ptr<ConnectionCore>* passing_ = nullptr;  // the now_ entry whose pass runs
-  bool posted_ = false;
-  bool running_ = false;
-  transport::OpMemory memory_;
-};
-
 // ---- one connection ------------------------------------------------------------
 
 // Everything a connection owns that its in-flight socket operations touch. The
@@ -373,8 +313,6 @@ class PollGroup final : public asio::execution_context::service {
 // until they have completed (after Close() they complete promptly with
 // operation_aborted). Thread: the connection's executor, except stats().
 class ConnectionCore final : public std::enable_shared_from_this<ConnectionCore> {
-  friend class PollGroup;
-
  public:
   ConnectionCore(tcp::socket socket, std::string peer, const TcpOptions& options, uint32_t peer_max_message)
       : ex_(socket.get_executor()),
@@ -596,7 +534,7 @@ class ConnectionCore final : public std::enable_shared_from_this<ConnectionCore>
     if (group_ != nullptr) {
       if (!enlisted_) {
         enlisted_ = true;
-        group_->Enlist(this);
+        group_->Enlist(this, this, &GroupPass, [this] { return shared_from_this(); });
       }
       return;
     }
@@ -611,11 +549,12 @@ class ConnectionCore final : public std::enable_shared_from_this<ConnectionCore>
     asio::post(ex_, std::move(pass));
   }
 
-  // PollGroup::Run(): this connection's pass of the turn.
-  void GroupPass() {
-    enlisted_ = false;
-    if (!status_.ok()) return OnReadError(asio::error::operation_aborted);
-    OnReadPass();
+  // From group_: this connection's pass of the turn (target and held: the core).
+  static void GroupPass(void* core, void*) {
+    auto* self = static_cast<ConnectionCore*>(core);
+    self->enlisted_ = false;
+    if (!self->status_.ok()) return self->OnReadError(asio::error::operation_aborted);
+    self->OnReadPass();
   }
 
   void OnReadPass() {
@@ -1056,7 +995,8 @@ class ConnectionCore final : public std::enable_shared_from_this<ConnectionCore>
   bool mute_refused_ = false;  // setsockopt(SO_RCVLOWAT) failed once: polling goes on unmuted
   uint32_t quiet_passes_ = 0;
   std::chrono::steady_clock::time_point quiet_since_{};
-  // Passes run by the io_context's PollGroup (null: each pass posts itself).
+  // Passes run by the io_context's PollGroup (transport/poll_group.h; null:
+  // each pass posts itself).
   PollGroup* const group_ = options_.poll_mode == PollMode::kEvent ? nullptr : PollGroup::For(ex_);
   bool enlisted_ = false;  // in group_'s list for the next turn
 
@@ -1096,29 +1036,6 @@ class ConnectionCore final : public std::enable_shared_from_this<ConnectionCore>
   std::atomic<uint64_t> bytes_sent_{0};
   std::atomic<uint64_t> bytes_received_{0};
 };
-
-void PollGroup::Enlist(ConnectionCore* core) {
-  if (passing_ != nullptr && passing_->get() == core) {
-    next_.push_back(std::move(*passing_));
-  } else {
-    next_.push_back(core->shared_from_this());
-  }
-  if (!posted_ && !running_) Post();
-}
-
-void PollGroup::Run() {
-  posted_ = false;
-  running_ = true;
-  now_.swap(next_);  // passes that enlist again go to next_, for the next turn
-  for (std::shared_ptr<ConnectionCore>& core : now_) {
-    passing_ = &core;
-    core->GroupPass();  // may leave `core` empty (moved on by Enlist)
-  }
-  passing_ = nullptr;
-  now_.clear();
-  running_ = false;
-  if (!next_.empty()) Post();
-}
 
 class TcpConnection final : public Connection {
  public:

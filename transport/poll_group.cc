@@ -1,0 +1,42 @@
+#include "transport/poll_group.h"
+
+#include <boost/asio/post.hpp>
+
+namespace rdmarpc::transport {
+
+PollGroup* PollGroup::For(const asio::any_io_executor& ex) {
+  const auto* io_ex = ex.target<asio::io_context::executor_type>();
+  if (io_ex == nullptr) return nullptr;
+  asio::io_context& io = io_ex->context();
+  // The hint the io_context was made with, tested as Asio's scheduler tests
+  // it for its one_thread_ shortcuts.
+  const int hint = asio::use_service<asio::detail::scheduler>(io).concurrency_hint();
+  if (hint != 1 && BOOST_ASIO_CONCURRENCY_HINT_IS_LOCKING(SCHEDULER, hint)) return nullptr;
+  return &asio::use_service<PollGroup>(io);
+}
+
+void PollGroup::shutdown() {
+  next_.clear();
+  now_.clear();
+}
+
+void PollGroup::Post() {
+  posted_ = true;
+  asio::post(io_, WithOpMemory(memory_, [this] { Run(); }));
+}
+
+void PollGroup::Run() {
+  posted_ = false;
+  running_ = true;
+  now_.swap(next_);  // passes that enlist again go to next_, for the next turn
+  for (Entry& entry : now_) {
+    passing_ = &entry;
+    entry.pass(entry.target, entry.hold.get());  // may leave entry.hold empty (moved on by Enlist)
+  }
+  passing_ = nullptr;
+  now_.clear();
+  running_ = false;
+  if (!next_.empty()) Post();
+}
+
+}  // namespace rdmarpc::transport
