@@ -29,10 +29,24 @@ void PollGroup::Run() {
   posted_ = false;
   running_ = true;
   now_.swap(next_);  // passes that enlist again go to next_, for the next turn
-  for (Entry& entry : now_) {
-    passing_ = &entry;
-    entry.pass(entry.target, entry.hold.get());  // may leave entry.hold empty (moved on by Enlist)
+  size_t i = 0;
+  try {
+    for (; i < now_.size(); ++i) {
+      passing_ = &now_[i];
+      now_[i].pass(now_[i].target, now_[i].hold.get());  // may leave the hold empty (moved on by Enlist)
+    }
+  } catch (...) {
+    // A handler threw out of a pass (Asio lets it out of run()). The
+    // connections after it keep their turn; the one whose pass threw loses
+    // its next pass unless it enlisted already, as when it posted its own.
+    for (++i; i < now_.size(); ++i) next_.push_back(std::move(now_[i]));
+    EndTurn();
+    throw;
   }
+  EndTurn();
+}
+
+void PollGroup::EndTurn() {
   passing_ = nullptr;
   now_.clear();
   running_ = false;

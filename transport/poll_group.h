@@ -72,6 +72,7 @@ class PollGroup final : public asio::execution_context::service {
   void shutdown() override;
   void Post();
   void Run();
+  void EndTurn();
 
   asio::io_context& io_;
   std::vector<Entry> next_;  // passes for the next turn

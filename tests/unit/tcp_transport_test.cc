@@ -12,6 +12,7 @@
 #include <functional>
 #include <new>
 #include <optional>
+#include <stdexcept>
 #include <span>
 #include <string>
 #include <thread>
@@ -511,6 +512,34 @@ TEST_F(TcpOneThreadTest, PollingConnectionsShareOneReadPassATurn) {
     ASSERT_NE(client, nullptr);
     EXPECT_LE(HandlersForRoundTrips(*client, *server, kRoundTrips), 2u * 2 * kRoundTrips);
   }
+}
+
+// A handler that throws out of a pass (a receive completion runs inside the
+// read pass) leaves io_context::run() as Asio lets exceptions do, and the
+// other connections of the shared pass go on polling: the turn's remaining
+// passes move to the next turn. (The connection whose handler threw is left
+// as a throw leaves it in any poll mode: mid-read.)
+TEST_F(TcpOneThreadTest, AHandlerThrowingOutOfASharedPassLeavesTheOthersPolling) {
+  const TcpOptions options{.poll_mode = PollMode::kBusy};
+  auto first = ConnectWorking(options);
+  auto second = ConnectWorking(options);
+  ASSERT_NE(first.client, nullptr);
+  ASSERT_NE(second.client, nullptr);
+  first.server->async_receive([](absl::StatusOr<Message>) { throw std::runtime_error("handler failed"); });
+  bool sent = false;
+  first.client->async_send(std::as_bytes(std::span<const char>("boom", 4)), [&](absl::Status) { sent = true; });
+  bool thrown = false;
+  io_.restart();
+  for (const auto until = Clock::now() + kWait; !thrown && Clock::now() < until;) {
+    try {
+      io_.run_one_for(std::chrono::milliseconds(100));
+    } catch (const std::runtime_error& e) {
+      EXPECT_STREQ(e.what(), "handler failed");
+      thrown = true;
+    }
+  }
+  ASSERT_TRUE(thrown) << "the receive handler never ran";
+  ExpectWorks(*second.client, *second.server, "after the throw");
 }
 
 // An io_context that more than one thread may run (the default hint): each
