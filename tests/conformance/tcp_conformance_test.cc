@@ -54,7 +54,7 @@ TransportUnderTest OneThread(TransportUnderTest t) {
 // a short spin so that the suite's pauses send it back to the reactor and the
 // next bytes wake it. The OneThread variants run on an io_context made with
 // concurrency hint 1, where polling connections share one read pass a turn
-// (PollGroup in tcp_transport.cc) instead of posting one each.
+// (transport/poll_group.h) instead of posting one each.
 INSTANTIATE_TEST_SUITE_P(Tcp, TransportConformance,
                          ::testing::Values(TcpOnLoopback("Default", {}),
                                            TcpOnLoopback("Busy", {.poll_mode = tcp::PollMode::kBusy}),

@@ -44,7 +44,7 @@ struct TransportUnderTest {
   bool busy_polling = false;
   // The fixture's io_context's concurrency hint. 1 says one thread runs it,
   // which lets the TCP backend's polling connections share one read pass a
-  // turn (tcp_transport.cc, PollGroup).
+  // turn (transport/poll_group.h).
   int io_concurrency_hint = BOOST_ASIO_CONCURRENCY_HINT_DEFAULT;
   // listen/connect with a shared-secret auth token (empty: none), for the
   // authentication tests (transport/common/auth.h); they skip when unset.
