@@ -9,9 +9,11 @@ PollGroup* PollGroup::For(const asio::any_io_executor& ex) {
   if (io_ex == nullptr) return nullptr;
   asio::io_context& io = io_ex->context();
   // The hint the io_context was made with, tested as Asio's scheduler tests
-  // it for its one_thread_ shortcuts.
+  // it for its one_thread_ shortcuts (scheduler.ipp).
   const int hint = asio::use_service<asio::detail::scheduler>(io).concurrency_hint();
-  if (hint != 1 && BOOST_ASIO_CONCURRENCY_HINT_IS_LOCKING(SCHEDULER, hint)) return nullptr;
+  const bool one_thread = hint == 1 || !BOOST_ASIO_CONCURRENCY_HINT_IS_LOCKING(SCHEDULER, hint) ||
+                          !BOOST_ASIO_CONCURRENCY_HINT_IS_LOCKING(REACTOR_IO, hint);
+  if (!one_thread) return nullptr;
   return &asio::use_service<PollGroup>(io);
 }
 

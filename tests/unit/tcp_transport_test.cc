@@ -505,13 +505,17 @@ TEST_P(TcpPollingTest, PollModesPollFromTheExecutorBusyForeverAdaptiveUntilQuiet
   }
 }
 
-// An io_context made with concurrency hint 1: Asio's promise that one thread
-// runs it, which lets polling connections share one read pass a turn.
-class TcpOneThreadTest : public TcpTransportTest {
+// An io_context made with concurrency hint 1, or BOOST_ASIO_CONCURRENCY_HINT_
+// UNSAFE_IO: Asio's promise that one thread runs it (its own one-thread test),
+// which lets polling connections share one read pass a turn.
+class TcpOneThreadTest : public TcpTransportTest, public ::testing::WithParamInterface<int> {
  protected:
-  TcpOneThreadTest() : TcpTransportTest(1) {}
-
+  TcpOneThreadTest() : TcpTransportTest(GetParam()) {}
 };
+INSTANTIATE_TEST_SUITE_P(Hint, TcpOneThreadTest, ::testing::Values(1, BOOST_ASIO_CONCURRENCY_HINT_UNSAFE_IO),
+                         [](const ::testing::TestParamInfo<int>& param) {
+                           return param.param == 1 ? std::string("One") : std::string("UnsafeIo");
+                         });
 
 // With one thread running the io_context, the polling connections' read
 // passes run together from one queued task a turn (transport/poll_group.h), where each connection queued its own: a scheduler operation is
@@ -520,7 +524,7 @@ class TcpOneThreadTest : public TcpTransportTest {
 // polling: per message its send completion and one task that runs both ends'
 // passes. Without the group each end's pass is a task of its own, and the one
 // that finds nothing runs too: three handlers a message (the next test).
-TEST_F(TcpOneThreadTest, PollingConnectionsShareOneReadPassATurn) {
+TEST_P(TcpOneThreadTest, PollingConnectionsShareOneReadPassATurn) {
   for (const auto& [mode, handlers] : PingPongHandlers()) {
     SCOPED_TRACE(PollModeName(mode));
     EXPECT_LE(handlers, 2u * kPingPongMessages);
@@ -532,7 +536,7 @@ TEST_F(TcpOneThreadTest, PollingConnectionsShareOneReadPassATurn) {
 // other connections of the shared pass go on polling: the turn's remaining
 // passes move to the next turn. (The connection whose handler threw is left
 // as a throw leaves it in any poll mode: mid-read.)
-TEST_F(TcpOneThreadTest, AHandlerThrowingOutOfASharedPassLeavesTheOthersPolling) {
+TEST_P(TcpOneThreadTest, AHandlerThrowingOutOfASharedPassLeavesTheOthersPolling) {
   const TcpOptions options{.poll_mode = PollMode::kBusy};
   auto first = ConnectWorking(options);
   auto second = ConnectWorking(options);
