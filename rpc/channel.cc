@@ -140,9 +140,10 @@ class Channel::Impl : public std::enable_shared_from_this<Impl> {
 
   Call* Acquire();
   // Unary call ids: the slot's generation (1..2^30, wrapping; a mask, where a
-  // modulo cost ~17 instructions a call) above its index; bit 63 clear. Stream ids have bit 63 set (kStreamIdBit), so the two
-  // never meet, and a slot's next call never reuses the id of its last one
-  // (the server refuses an id still in flight).
+  // modulo cost ~17 instructions a call) above its index; bit 63 clear.
+  // Stream ids have bit 63 set (kStreamIdBit), so the two never meet, and a
+  // slot's next call never reuses the id of its last one (the server refuses
+  // an id still in flight).
   static constexpr uint64_t kStreamIdBit = uint64_t{1} << 63;
   static uint64_t UnaryCallId(const Call& c) {
     return ((c.generation & 0x3fffffffu) + 1) << 32 | c.index;
