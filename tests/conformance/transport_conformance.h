@@ -43,8 +43,8 @@ struct TransportUnderTest {
   // polling): tests with many connections must not assume spare cores.
   bool busy_polling = false;
   // The fixture's io_context's concurrency hint. 1 says one thread runs it,
-  // which lets the TCP backend's polling connections share one read pass a
-  // turn (transport/poll_group.h).
+  // which lets polling connections (TCP poll modes, RDMA run to completion)
+  // share one pass a turn (transport/poll_group.h).
   int io_concurrency_hint = BOOST_ASIO_CONCURRENCY_HINT_DEFAULT;
   // listen/connect with a shared-secret auth token (empty: none), for the
   // authentication tests (transport/common/auth.h); they skip when unset.

@@ -463,13 +463,16 @@ TEST(TcpPollModeTest, ParsesItsOwnNamesAndRefusesOthers) {
   }
 }
 
+// The fixture on an io_context made with the parameter as its concurrency hint.
+class TcpHintTest : public TcpTransportTest, public ::testing::WithParamInterface<int> {
+ protected:
+  TcpHintTest() : TcpTransportTest(GetParam()) {}
+};
+
 // The polling tests run on an io_context that any number of threads may run
 // (the default hint: a pass per connection) and on one that one thread runs
 // (hint 1: the connections' passes share a task a turn).
-class TcpPollingTest : public TcpTransportTest, public ::testing::WithParamInterface<int> {
- protected:
-  TcpPollingTest() : TcpTransportTest(GetParam()) {}
-};
+class TcpPollingTest : public TcpHintTest {};
 INSTANTIATE_TEST_SUITE_P(Hint, TcpPollingTest, ::testing::Values(BOOST_ASIO_CONCURRENCY_HINT_DEFAULT, 1),
                          [](const ::testing::TestParamInfo<int>& param) {
                            return param.param == 1 ? std::string("OneThread") : std::string("AnyThreads");
@@ -508,21 +511,18 @@ TEST_P(TcpPollingTest, PollModesPollFromTheExecutorBusyForeverAdaptiveUntilQuiet
 // An io_context made with concurrency hint 1, or BOOST_ASIO_CONCURRENCY_HINT_
 // UNSAFE_IO: Asio's promise that one thread runs it (its own one-thread test),
 // which lets polling connections share one read pass a turn.
-class TcpOneThreadTest : public TcpTransportTest, public ::testing::WithParamInterface<int> {
- protected:
-  TcpOneThreadTest() : TcpTransportTest(GetParam()) {}
-};
+class TcpOneThreadTest : public TcpHintTest {};
 INSTANTIATE_TEST_SUITE_P(Hint, TcpOneThreadTest, ::testing::Values(1, BOOST_ASIO_CONCURRENCY_HINT_UNSAFE_IO),
                          [](const ::testing::TestParamInfo<int>& param) {
                            return param.param == 1 ? std::string("One") : std::string("UnsafeIo");
                          });
 
 // With one thread running the io_context, the polling connections' read
-// passes run together from one queued task a turn (transport/poll_group.h), where each connection queued its own: a scheduler operation is
-// ~280 instructions (bench/cpu_per_call). Counted as the handlers the
-// io_context runs for a ping-pong between the two ends of one connection, both
-// polling: per message its send completion and one task that runs both ends'
-// passes. Without the group each end's pass is a task of its own, and the one
+// passes run together from one queued task a turn (transport/poll_group.h),
+// where each connection queued its own: a scheduler operation is ~280
+// instructions (bench/cpu_per_call). Counted as the handlers the io_context
+// runs for a ping-pong between the two ends of one connection, both polling:
+// per message its send completion and one task that runs both ends' passes. Without the group each end's pass is a task of its own, and the one
 // that finds nothing runs too: three handlers a message (the next test).
 TEST_P(TcpOneThreadTest, PollingConnectionsShareOneReadPassATurn) {
   for (const auto& [mode, handlers] : PingPongHandlers()) {

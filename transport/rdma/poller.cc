@@ -207,15 +207,15 @@ class EventPoller final : public Poller {
     Wait();
   }
 
-  // One pass per turn of the executor while spinning, posted to the
+  // One pass per turn of the executor while spinning. On an io_context one
+  // thread runs, its PollGroup runs the passes of all its connections as one
+  // task a turn (transport/poll_group.h). Otherwise each pass is posted to the
   // io_context's own executor when it is one (the type-erased post costs
   // ~350 instructions more a pass, most of an empty pass).
   // Its operation lives in the box (spin_memory), not in the per-thread
   // handler cache. A lean handler (handler_memory.h): ~120 instructions less
   // a pass than one wrapped by bind_allocator or append, which Asio posts through a
   // work_dispatcher.
-  // On an io_context one thread runs, the passes of all its connections go
-  // out as one task a turn (transport/poll_group.h).
   void PostSpin() {
     if (group_ != nullptr) {
       if (!box_->enlisted) {
