@@ -4,6 +4,7 @@
 #include <atomic>
 #include <cstring>
 #include <optional>
+#include <stdexcept>
 #include <thread>
 
 #include <boost/asio/bind_cancellation_slot.hpp>
@@ -700,6 +701,114 @@ TEST_P(TransportConformance, SinkThatClosesTheConnectionHearsNothingMore) {
   RunFor(std::chrono::milliseconds(200));
   EXPECT_EQ(sink.messages.size(), 3u) << "messages after Close() from inside the sink";
   EXPECT_TRUE(sink.errors.empty()) << "OnConnectionError after the consumer's own Close(): " << sink.errors[0];
+}
+
+// ---- 3c. handlers that throw --------------------------------------------------------
+
+namespace {
+
+struct Thrown : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
+}  // namespace
+
+// Runs until `done`, as RunUntil, catching Thrown out of the io_context as an
+// application that runs it again would; returns how many times it caught one
+// (-1 on timeout).
+int TransportConformance::RunCatching(const std::function<bool()>& done) {
+  int caught = 0;
+  for (;;) {
+    try {
+      return RunUntil(done) ? caught : -1;
+    } catch (const Thrown&) {
+      ++caught;
+    }
+  }
+}
+
+// Asio lets an exception out of a handler through run(), and the io_context
+// may be run again. A connection whose sink threw goes on as if the sink had
+// returned: the message it threw on counts as delivered, the ones queued
+// behind it and later ones arrive in order, once each, and it still sends.
+// It throws on a message that arrived before it was set (a backend may hand
+// those over its own way), on a large one (the same) and on a small one.
+TEST_P(TransportConformance, SinkThatThrowsLeavesItsConnectionWorking) {
+  auto pair = ConnectPair();
+  ASSERT_TRUE(pair.ok()) << pair.status();
+  Connection& client = *pair->client;
+  Connection& server = *pair->server;
+  RecordingSink sink;
+  constexpr int kEarly = 4, kBurst = 10, kAll = 20;  // sent before SetSink, then with it, then after
+  constexpr int kEarlyThrow = 1, kLargeThrow = 5, kSmallThrow = 7;
+  sink.on_message = [&sink](transport::Message&) {
+    const size_t i = sink.messages.size() - 1;
+    if (i == kEarlyThrow || i == kLargeThrow || i == kSmallThrow) throw Thrown("from the sink");
+  };
+  const size_t large = std::min<size_t>(100'000, GetParam().max_message_size);
+  auto size_of = [large](int i) { return i == kLargeThrow ? large : size_t(16 + i); };
+  auto send = [&client, &size_of](int i) {
+    std::vector<std::byte> bytes = Payload(45, i, size_of(i));
+    client.async_send(std::span<const std::byte>(bytes), [](absl::Status) {});
+  };
+  for (int i = 0; i < kEarly; ++i) send(i);
+  RunFor(std::chrono::milliseconds(100));
+  ASSERT_TRUE(server.SetSink(&sink));
+  sink.set_returned = true;
+  for (int i = kEarly; i < kBurst; ++i) send(i);
+  EXPECT_EQ(RunCatching([&] { return sink.messages.size() >= size_t{kBurst}; }), 3) << sink.messages.size();
+  for (int i = kBurst; i < kAll; ++i) send(i);
+  ASSERT_EQ(RunCatching([&] { return sink.messages.size() >= size_t{kAll}; }), 0) << sink.messages.size();
+  RunFor(std::chrono::milliseconds(50));  // nothing more may come
+  ASSERT_EQ(sink.messages.size(), size_t{kAll}) << "duplicates";
+  for (int i = 0; i < kAll; ++i) EXPECT_EQ(CheckPayload(sink.messages[i], 45, i, size_of(i)), "") << "message " << i;
+  EXPECT_TRUE(sink.errors.empty()) << sink.errors[0];
+  // It still sends, and the client still hears it.
+  ASSERT_TRUE(SendAndWait(server, Payload(46, 0, 100)).ok());
+  auto back = ReceiveAndWait(client);
+  ASSERT_TRUE(back.ok()) << back.status();
+  EXPECT_EQ(CheckPayload(back->data(), 46, 0, 100), "");
+}
+
+// The same for a Receive() handler and a send handler that throw: the
+// connection goes on, both ways.
+TEST_P(TransportConformance, HandlersThatThrowLeaveTheConnectionWorking) {
+  auto pair = ConnectPair();
+  ASSERT_TRUE(pair.ok()) << pair.status();
+  Connection& client = *pair->client;
+  Connection& server = *pair->server;
+  // A receive handler throws on the first of two messages sent together.
+  auto first = std::make_shared<std::vector<std::byte>>();
+  server.async_receive([first](absl::StatusOr<Message> m) {
+    if (m.ok()) first->assign(m->data().begin(), m->data().end());
+    throw Thrown("from a receive handler");
+  });
+  for (int i = 0; i < 2; ++i) {
+    std::vector<std::byte> bytes = Payload(47, i, 40 + i);
+    client.async_send(std::span<const std::byte>(bytes), [](absl::Status) {});
+  }
+  EXPECT_EQ(RunCatching([&] { return !first->empty(); }), 1);
+  EXPECT_EQ(CheckPayload(*first, 47, 0, 40), "");
+  auto second = ReceiveAndWait(server);
+  ASSERT_TRUE(second.ok()) << second.status();
+  EXPECT_EQ(CheckPayload(second->data(), 47, 1, 41), "");
+  // Of two sends, the first one's handler throws; the second's still runs.
+  auto sent = std::make_shared<std::vector<absl::Status>>();
+  for (int i = 0; i < 2; ++i) {
+    std::vector<std::byte> bytes = Payload(48, i, 64);
+    server.async_send(std::span<const std::byte>(bytes), [sent, i](absl::Status st) {
+      sent->push_back(st);
+      if (i == 0) throw Thrown("from a send handler");
+    });
+  }
+  EXPECT_EQ(RunCatching([&] { return sent->size() == 2; }), 1) << sent->size() << " send handlers ran";
+  for (const absl::Status& st : *sent) EXPECT_TRUE(st.ok()) << st;
+  for (int i = 0; i < 2; ++i) {
+    auto got = ReceiveAndWait(client);
+    ASSERT_TRUE(got.ok()) << got.status();
+    EXPECT_EQ(CheckPayload(got->data(), 48, i, 64), "");
+  }
+  ExpectWorks(*pair, 49);
 }
 
 // A sink may keep the Messages it is given while later ones arrive, and give

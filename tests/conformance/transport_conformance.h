@@ -80,6 +80,9 @@ class TransportConformance : public ::testing::TestWithParam<TransportUnderTest>
   // conditions set from other threads).
   bool RunUntil(const std::function<bool()>& done,
                 std::chrono::steady_clock::duration limit = kConformanceWait);
+  // RunUntil, catching the exception the handlers-that-throw tests throw;
+  // how many it caught, or -1 on timeout.
+  int RunCatching(const std::function<bool()>& done);
   // Runs io_ for `d` (lets in-flight work progress without waiting for anything).
   void RunFor(std::chrono::steady_clock::duration d) {
     RunUntil([] { return false; }, d);

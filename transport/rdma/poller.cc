@@ -182,6 +182,7 @@ class EventPoller final : public Poller {
 
  private:
   void Wait() {
+    waiting_ = true;
     // The box's own operation memory, not Asio's recycling cache: that
     // cache's two blocks are shared with every other default-allocated
     // operation on the thread, so when another one held them this wait
@@ -191,6 +192,7 @@ class EventPoller final : public Poller {
     fd_.async_wait(asio::posix::descriptor_base::wait_read,
                    transport::WithOpMemory(box_->wait_memory, [this, box = box_](boost::system::error_code ec) {
                      if (box->stopped || ec) return;
+                     waiting_ = false;
                      OnReadable(*box);
                    }));
   }
@@ -289,11 +291,33 @@ class EventPoller final : public Poller {
     Batch b;
     while ((b.n = ibv_poll_cq(cq_, kBatch, b.wc.data())) > 0) {
       if (any) *any = true;
-      box.sink({b.wc.data(), static_cast<size_t>(b.n)});
+      try {
+        box.sink({b.wc.data(), static_cast<size_t>(b.n)});
+      } catch (...) {
+        if (!box.stopped) ResumeAfterThrow();
+        throw;
+      }
       if (box.stopped) return false;
       if (b.n < kBatch) break;
     }
     return true;
+  }
+
+  // A handler threw out of the sink (Asio lets the exception out of run()):
+  // the batch is the connection's (it goes on with it), the CQ behind it is
+  // ours. Spinning, the next pass; on events, a drain from a posted task (the
+  // CQ was armed before this drain: what is left in it raises no event), then
+  // the wait, unless one is pending (the drain after Arm()).
+  void ResumeAfterThrow() {
+    if (spin_ != Spin::kNone) {
+      quiet_.Activity();
+      PostSpin();
+      return;
+    }
+    asio::post(fd_.get_executor(), transport::WithHandlerMemory([this, box = box_] {
+      if (box->stopped || !DrainToEmpty(*box)) return;
+      if (!waiting_) Wait();
+    }));
   }
 
   ibv_cq* cq_;
@@ -302,6 +326,7 @@ class EventPoller final : public Poller {
   std::shared_ptr<SinkBox> box_;
   asio::any_io_executor spin_ex_{fd_.get_executor()};
   unsigned unacked_ = 0;
+  bool waiting_ = false;  // Wait()'s async_wait is pending
   const Spin spin_;
   QuietTimer quiet_;
   // Spinning on an io_context one thread runs: its group runs the passes.

@@ -1448,13 +1448,41 @@ class RdmaConnectionImpl final : public std::enable_shared_from_this<RdmaConnect
     if (error_.ok()) Pump();
     in_completions_ = false;
     in_flush_ = true;
-    FlushCompletions();
+    try {
+      FlushCompletions();
+    } catch (...) {
+      in_flush_ = false;
+      PostFlushAfterThrow();
+      throw;
+    }
     in_flush_ = false;
     // SENDs done at their post in this batch (kSelectiveSignalling), counted
     // once their chain is posted: the sink may send again into their slots.
     hold.reset();
     if (const size_t n = std::exchange(done_at_post_, 0); n != 0 && sink_ != nullptr && error_.ok())
       sink_->OnSendsCompleted(n);
+  }
+
+  // A handler or the sink threw out of FlushCompletions (Asio lets the
+  // exception out of run(); the application may run the io_context again).
+  // What it took counts as delivered; the batch's other completions (they
+  // wait in their queues, popped one at a time) and the SENDs done at their
+  // post run from a posted task, as they would have run had it returned.
+  void PostFlushAfterThrow() {
+    asio::post(ex_, transport::WithHandlerMemory([self = shared_from_this()] {
+                 self->in_flush_ = true;
+                 try {
+                   self->FlushCompletions();
+                 } catch (...) {
+                   self->in_flush_ = false;
+                   self->PostFlushAfterThrow();
+                   throw;
+                 }
+                 self->in_flush_ = false;
+                 if (const size_t n = std::exchange(self->done_at_post_, 0);
+                     n != 0 && self->sink_ != nullptr && self->error_.ok())
+                   self->sink_->OnSendsCompleted(n);
+               }));
   }
 
   // The batch's completions, run at once (this is a CQ event handler, not the
@@ -1533,11 +1561,16 @@ class RdmaConnectionImpl final : public std::enable_shared_from_this<RdmaConnect
   // Outside a completion batch: what is ready (messages that arrived before
   // the sink was set, or before a failure), then the failure.
   void DrainSink() {
-    HandSinkReady();
-    while (sink_ != nullptr) {
-      std::optional<Message> msg = TakeReady();
-      if (!msg) break;
-      sink_->OnMessage(std::move(*msg));
+    try {
+      HandSinkReady();
+      while (sink_ != nullptr) {
+        std::optional<Message> msg = TakeReady();
+        if (!msg) break;
+        sink_->OnMessage(std::move(*msg));
+      }
+    } catch (...) {
+      PostSinkDrain();  // the rest when the io_context runs again
+      throw;
     }
     // A large message still unrevoked at a failure never completes.
     if (sink_ != nullptr && !error_.ok()) {

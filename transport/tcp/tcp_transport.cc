@@ -501,7 +501,12 @@ class ConnectionCore final : public std::enable_shared_from_this<ConnectionCore>
         message = Message(std::span<const std::byte>(lease.memory, size), &pool_, lease.token);
       }
       rpos_ += kHeaderBytes + size;
-      Deliver(std::move(message));
+      try {
+        Deliver(std::move(message));
+      } catch (...) {
+        ResumeReadAfterThrow();
+        throw;
+      }
       if (!HasQueueRoom()) {
         reading_ = false;  // Receive() resumes once the application catches up.
         return;
@@ -661,7 +666,12 @@ class ConnectionCore final : public std::enable_shared_from_this<ConnectionCore>
     }
     in_io_handler_ = true;
     in_read_handler_ = true;
-    Deliver(std::move(body_));
+    try {
+      Deliver(std::move(body_));
+    } catch (...) {
+      ResumeReadAfterThrow();
+      throw;
+    }
     if (HasQueueRoom()) {
       ReadLoop();
     } else {
@@ -670,6 +680,22 @@ class ConnectionCore final : public std::enable_shared_from_this<ConnectionCore>
     in_io_handler_ = false;
     in_read_handler_ = false;
     if (HasWritten()) CompleteWritten();
+  }
+
+  // A receive handler or the sink threw out of the read loop (Asio lets the
+  // exception out of run(); the application may run the io_context again).
+  // The message it threw on counts as delivered; the read handler we were in
+  // ends here, and a posted task goes on as it would have: the frames behind,
+  // the next read (or pass), the written sends' handlers. Nothing else reads
+  // meanwhile (reading_ was set: no wait or pass is pending).
+  void ResumeReadAfterThrow() {
+    reading_ = false;
+    in_io_handler_ = false;
+    in_read_handler_ = false;
+    asio::post(ex_, transport::WithHandlerMemory([self = shared_from_this()] {
+                 if (!self->reading_) self->ReadLoop();
+                 if (self->HasWritten()) self->CompleteWritten();
+               }));
   }
 
   void OnReadError(error_code ec) {
@@ -726,7 +752,12 @@ class ConnectionCore final : public std::enable_shared_from_this<ConnectionCore>
       Message message = std::move(ready_.front());
       ready_.pop_front();
       ready_bytes_ -= message.size();
-      sink_->OnMessage(std::move(message));
+      try {
+        sink_->OnMessage(std::move(message));
+      } catch (...) {
+        PostDrainToSink();  // the rest (and the read loop) when run again
+        throw;
+      }
     }
     if (sink_ == nullptr) return;
     if (!status_.ok()) {
@@ -900,24 +931,34 @@ class ConnectionCore final : public std::enable_shared_from_this<ConnectionCore>
     // OK unless the connection failed or was closed meanwhile (then the
     // contract says the pending send completes with that status).
     const absl::Status result = status_;
+    if (!written_.empty()) {
+      std::vector<PendingSend> done;
+      done.swap(written_);
+      for (size_t i = 0; i < done.size(); ++i) {
+        if (result.ok()) {
+          messages_sent_.fetch_add(1, std::memory_order_relaxed);
+          bytes_sent_.fetch_add(done[i].size, std::memory_order_relaxed);
+        }
+        try {
+          DispatchCompletion(ex_, std::move(done[i].handler), result);
+        } catch (...) {
+          // The handler threw (Asio lets it out of run()): the ones after it,
+          // and the untracked count, complete from a posted task, ahead of
+          // sends written meanwhile.
+          written_.insert(written_.begin(), std::make_move_iterator(done.begin() + static_cast<ptrdiff_t>(i) + 1),
+                          std::make_move_iterator(done.end()));
+          ScheduleCompleteWritten();
+          throw;
+        }
+      }
+      done.clear();
+      if (written_.empty()) written_.swap(done);  // keep the capacity
+    }
     const size_t untracked = std::exchange(untracked_written_, 0);
     const size_t untracked_bytes = std::exchange(untracked_written_bytes_, 0);
     if (result.ok() && untracked != 0) {
       messages_sent_.fetch_add(untracked, std::memory_order_relaxed);
       bytes_sent_.fetch_add(untracked_bytes, std::memory_order_relaxed);
-    }
-    if (!written_.empty()) {
-      std::vector<PendingSend> done;
-      done.swap(written_);
-      for (PendingSend& s : done) {
-        if (result.ok()) {
-          messages_sent_.fetch_add(1, std::memory_order_relaxed);
-          bytes_sent_.fetch_add(s.size, std::memory_order_relaxed);
-        }
-        DispatchCompletion(ex_, std::move(s.handler), result);
-      }
-      done.clear();
-      if (written_.empty()) written_.swap(done);  // keep the capacity
     }
     // Last: the sink may Close() the connection (the core stays alive: our caller holds it).
     if (untracked != 0 && result.ok() && sink_ != nullptr) sink_->OnSendsCompleted(untracked);
@@ -929,8 +970,15 @@ class ConnectionCore final : public std::enable_shared_from_this<ConnectionCore>
     }
     ReleaseBatch();
     // Run the handlers now (we are in the write handler, not in Send()); a
-    // Send() they make is queued (writing_ is still set) and written below.
-    CompleteWritten();
+    // Send() they make is queued (writing_ is still set) and written below,
+    // or before the exception goes on when one throws.
+    try {
+      CompleteWritten();
+    } catch (...) {
+      writing_ = false;
+      if (status_.ok() && !send_queue_.empty()) WriteBatch();
+      throw;
+    }
     writing_ = false;
     if (status_.ok() && !send_queue_.empty()) WriteBatch();
   }
