@@ -157,7 +157,13 @@ class Channel::Impl : public std::enable_shared_from_this<Impl> {
     return c->state == CallState::kSent && c->id == id ? c : nullptr;
   }
   void FailLater(Call* call, Status status);
-  void Finish(Call* call, Status status, ResponsePayload payload, bool tell_server);
+  // How Finish runs the caller's completion handler. kInline where one call
+  // ends and nothing of ours follows (a response, its deadline, its
+  // cancellation); kPosted where calls end in a loop (a lost or refused
+  // connection, Close()): a handler that throws (Asio lets it out of run())
+  // must not leave the calls after it in the loop uncompleted.
+  enum class Run { kInline, kPosted };
+  void Finish(Call* call, Status status, ResponsePayload payload, bool tell_server, Run run = Run::kInline);
   void Send(Call* call);
   // The call cannot go out now: keep its request as bytes, so the caller's
   // request object need not outlive the initiating function.
@@ -459,7 +465,7 @@ void Channel::Impl::FailLater(Call* call, Status status) {
   });
 }
 
-void Channel::Impl::Finish(Call* call, Status status, ResponsePayload payload, bool tell_server) {
+void Channel::Impl::Finish(Call* call, Status status, ResponsePayload payload, bool tell_server, Run run) {
   if (call->state == CallState::kSent) {
     if (call->conn) {
       // The CANCEL says why, so the server counts a call the client's timer
@@ -484,6 +490,10 @@ void Channel::Impl::Finish(Call* call, Status status, ResponsePayload payload, b
   call->conn.reset();
   free_calls_.push_back(call);
   --outstanding_;
+  if (run == Run::kPosted) {
+    transport::PostCompletion(ex_, std::move(handler), make_error_code(code), std::move(payload));
+    return;
+  }
   std::move(handler)(make_error_code(code), std::move(payload));
 }
 
@@ -638,7 +648,7 @@ void Channel::Impl::OnConnected(absl::StatusOr<std::unique_ptr<Connection>> resu
       if (r.call->ctx->wait_for_ready())
         keep.push_back(r);
       else
-        Finish(r.call, last_error_, {}, false);
+        Finish(r.call, last_error_, {}, false, Run::kPosted);
     }
     for (Ref r : keep)
       if (r.live()) queued_.push_back(r);
@@ -850,7 +860,7 @@ void Channel::Impl::FailCallsOn(const std::shared_ptr<Conn>* conn, const Status&
     for (Ref r : std::exchange(queued_, {}))
       if (r.live()) victims.push_back(r);
   for (Ref r : victims)
-    if (r.live()) Finish(r.call, status, {}, false);
+    if (r.live()) Finish(r.call, status, {}, false, Run::kPosted);
   std::vector<std::shared_ptr<ClientStream>> streams;
   for (auto& [id, st] : streams_)
     if (conn == nullptr || st->conn() == *conn) streams.push_back(st);

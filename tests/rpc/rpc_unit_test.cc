@@ -1,11 +1,16 @@
 // The RPC layer without a network: status and its error category, the frame
 // codec's validation, registration errors, and generated gmock mocks driving
 // a real generated Stub.
+#include <functional>
 #include <future>
+#include <stdexcept>
 #include <system_error>
 #include <thread>
+#include <vector>
 
 #include <boost/asio/io_context.hpp>
+#include <boost/asio/post.hpp>
+#include <boost/asio/steady_timer.hpp>
 #include <boost/asio/use_future.hpp>
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
@@ -267,6 +272,69 @@ TEST(Channel, RefusedConnectionFailsFastWithTheReason) {
   EXPECT_EQ(state_then, Channel::State::kBackoff);
   // The backoff ran out and nobody is waiting: back to idle (lazy reconnect).
   EXPECT_EQ((*ch)->state(), Channel::State::kIdle);
+}
+
+// Asio lets an exception thrown by a completion handler out of run(), and the
+// application may run the io_context again. Where the channel ends several
+// calls at once, the calls after a handler that throws still complete, each
+// once: `calls` calls on `stub`, the first handler throws, `act` (if any) runs
+// on the io_context once they are started.
+struct ThrowingFirstHandler {
+  int completed = 0;
+  int thrown = 0;
+  std::vector<StatusCode> codes;
+
+  void Run(asio::io_context& io, test::Test::Stub& stub, std::vector<ClientContext>& ctxs,
+           const std::function<void()>& act) {
+    for (size_t i = 0; i < ctxs.size(); ++i)
+      stub.async_Echo(ctxs[i], test::Payload(), [this, i](boost::system::error_code ec, test::Payload) {
+        ++completed;
+        codes.push_back(ToStatusCode(ec));
+        if (i == 0) throw std::runtime_error("handler of the first call");
+      });
+    if (act) asio::post(io, act);
+    const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+    while (!io.stopped() && std::chrono::steady_clock::now() < until) {
+      try {
+        io.run_for(until - std::chrono::steady_clock::now());
+      } catch (const std::runtime_error&) {
+        ++thrown;
+      }
+    }
+  }
+};
+
+TEST(Channel, AHandlerThatThrowsOnARefusedConnectLeavesTheOtherCallsCompleted) {
+  asio::io_context io;
+  auto ch = Channel::Create(io.get_executor(), "tcp://127.0.0.1:1");  // nobody listens
+  ASSERT_TRUE(ch.ok());
+  test::Test::Stub stub(*ch);
+  std::vector<ClientContext> ctxs(3);
+  ThrowingFirstHandler h;
+  h.Run(io, stub, ctxs, nullptr);
+  EXPECT_EQ(h.thrown, 1);
+  ASSERT_EQ(h.completed, 3) << "calls after the throwing handler were left uncompleted";
+  for (StatusCode c : h.codes) EXPECT_EQ(c, StatusCode::kUnavailable);
+  EXPECT_EQ((*ch)->state(), Channel::State::kIdle) << "nobody waits any more: no reconnect";
+}
+
+TEST(Channel, AHandlerThatThrowsOnCloseLeavesTheOtherCallsCompleted) {
+  asio::io_context io;
+  auto ch = Channel::Create(io.get_executor(), "tcp://127.0.0.1:1");
+  ASSERT_TRUE(ch.ok());
+  test::Test::Stub stub(*ch);
+  // wait_for_ready: the refusals keep them queued until Close().
+  std::vector<ClientContext> ctxs(3);
+  for (auto& c : ctxs) c.set_wait_for_ready(true);
+  ThrowingFirstHandler h;
+  asio::steady_timer close_later(io, std::chrono::milliseconds(100));
+  h.Run(io, stub, ctxs, [&] {
+    close_later.async_wait([&](boost::system::error_code) { (*ch)->Close(); });
+  });
+  EXPECT_EQ(h.thrown, 1);
+  ASSERT_EQ(h.completed, 3) << "calls after the throwing handler were left uncompleted";
+  for (StatusCode c : h.codes) EXPECT_EQ(c, StatusCode::kCancelled);
+  EXPECT_EQ((*ch)->state(), Channel::State::kClosed);
 }
 
 // The generated mock is a ChannelInterface: a real Stub drives it, with any token.
