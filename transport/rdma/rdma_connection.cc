@@ -1447,6 +1447,14 @@ class RdmaConnectionImpl final : public std::enable_shared_from_this<RdmaConnect
     // accounted: queued frames go out, and one frame carries all owed credits.
     if (error_.ok()) Pump();
     in_completions_ = false;
+    RunFlush();
+    // SENDs done at their post in this batch (kSelectiveSignalling), counted
+    // once their chain is posted: the sink may send again into their slots.
+    hold.reset();
+    ReportDoneAtPost();
+  }
+
+  void RunFlush() {
     in_flush_ = true;
     try {
       FlushCompletions();
@@ -1456,9 +1464,9 @@ class RdmaConnectionImpl final : public std::enable_shared_from_this<RdmaConnect
       throw;
     }
     in_flush_ = false;
-    // SENDs done at their post in this batch (kSelectiveSignalling), counted
-    // once their chain is posted: the sink may send again into their slots.
-    hold.reset();
+  }
+
+  void ReportDoneAtPost() {
     if (const size_t n = std::exchange(done_at_post_, 0); n != 0 && sink_ != nullptr && error_.ok())
       sink_->OnSendsCompleted(n);
   }
@@ -1470,18 +1478,8 @@ class RdmaConnectionImpl final : public std::enable_shared_from_this<RdmaConnect
   // post run from a posted task, as they would have run had it returned.
   void PostFlushAfterThrow() {
     asio::post(ex_, transport::WithHandlerMemory([self = shared_from_this()] {
-                 self->in_flush_ = true;
-                 try {
-                   self->FlushCompletions();
-                 } catch (...) {
-                   self->in_flush_ = false;
-                   self->PostFlushAfterThrow();
-                   throw;
-                 }
-                 self->in_flush_ = false;
-                 if (const size_t n = std::exchange(self->done_at_post_, 0);
-                     n != 0 && self->sink_ != nullptr && self->error_.ok())
-                   self->sink_->OnSendsCompleted(n);
+                 self->RunFlush();
+                 self->ReportDoneAtPost();
                }));
   }
 

@@ -972,15 +972,17 @@ class ConnectionCore final : public std::enable_shared_from_this<ConnectionCore>
     // Run the handlers now (we are in the write handler, not in Send()); a
     // Send() they make is queued (writing_ is still set) and written below,
     // or before the exception goes on when one throws.
+    auto write_next = [this] {
+      writing_ = false;
+      if (status_.ok() && !send_queue_.empty()) WriteBatch();
+    };
     try {
       CompleteWritten();
     } catch (...) {
-      writing_ = false;
-      if (status_.ok() && !send_queue_.empty()) WriteBatch();
+      write_next();
       throw;
     }
-    writing_ = false;
-    if (status_.ok() && !send_queue_.empty()) WriteBatch();
+    write_next();
   }
 
   // ---- failure
