@@ -702,7 +702,8 @@ void Channel::Impl::ArmKeepalive() {
     self->keepalive_armed_ = false;
     if (ec || self->closed_ || !self->conn_ || self->conn_->dead) return;
     const std::shared_ptr<Conn> conn = self->conn_;
-    switch (conn->keepalive.Sweep(internal::Keepalive::Clock::now(), self->options_.keepalive)) {
+    switch (conn->keepalive.Sweep(internal::Keepalive::Clock::now(), self->options_.keepalive,
+                                  conn->c->frames_received())) {
       case internal::Keepalive::Action::kNone:
         break;
       case internal::Keepalive::Action::kPing:

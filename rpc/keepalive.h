@@ -7,7 +7,13 @@
 // probe a connection that has been silent for `interval`: they send a PING
 // (the peer's runtime answers PONG), and a connection from which nothing at all
 // arrives within `timeout` of the PING is closed as dead. Any frame counts as
-// a sign of life, so a busy connection never pings.
+// a sign of life, so a busy connection never pings: the RPC frames, and the
+// frames the transport takes in below them (ConnectionStats::frames_received:
+// RDMA's RTS, CTS, CREDIT and WRITE-with-immediate). Without the latter a
+// connection working through a backlog was declared dead: its PING queued
+// behind its own messages, the peer's answers behind rendezvous progress that
+// arrived all along (a 350-call burst, half of them 64 KiB, over Soft-RoCE
+// with a 300/500 ms keepalive).
 //
 // The hot path only bumps a counter per received frame; a sweep every
 // Keepalive::Tick() reads the clock. A dead peer is found at most
@@ -46,9 +52,11 @@ class Keepalive {
   // Per received frame (the only hot-path cost).
   void OnFrame() { ++frames_; }
 
-  Action Sweep(Clock::time_point now, const KeepaliveOptions& o) {
-    if (frames_ != frames_seen_) {
+  // `transport_frames`: the connection's ConnectionStats::frames_received.
+  Action Sweep(Clock::time_point now, const KeepaliveOptions& o, uint64_t transport_frames) {
+    if (frames_ != frames_seen_ || transport_frames != transport_seen_) {
       frames_seen_ = frames_;
+      transport_seen_ = transport_frames;
       last_activity_ = now;
       ping_sent_.reset();
       return Action::kNone;
@@ -66,6 +74,7 @@ class Keepalive {
  private:
   uint64_t frames_ = 0;
   uint64_t frames_seen_ = 0;
+  uint64_t transport_seen_ = 0;
   Clock::time_point last_activity_;
   std::optional<Clock::time_point> ping_sent_;
 };

@@ -362,7 +362,7 @@ void Server::Impl::SweepKeepalive() {
   const auto now = internal::Keepalive::Clock::now();
   bool any_dead = false;
   for (const auto& conn : conns_) {  // no copy: a sweep must not allocate
-    switch (conn->keepalive.Sweep(now, options_.keepalive)) {
+    switch (conn->keepalive.Sweep(now, options_.keepalive, conn->c->frames_received())) {
       case internal::Keepalive::Action::kNone:
         break;
       case internal::Keepalive::Action::kPing:

@@ -116,6 +116,12 @@ struct ConnectionStats {
   uint64_t messages_received = 0;
   uint64_t bytes_sent = 0;
   uint64_t bytes_received = 0;
+  // Everything that arrived from the peer: messages, and the transport's own
+  // frames below them (RDMA: every receive completion, RTS, CTS, CREDIT and
+  // WRITE-with-immediate included; TCP: every read that brought bytes, a
+  // large message's body counted once it is whole). The RPC keepalive counts
+  // it as a sign of life (rpc/keepalive.h).
+  uint64_t frames_received = 0;
   // RDMA only (zero elsewhere).
   uint64_t wr_posted = 0;
   // Work completions polled: one per receive and per signalled send-queue WR.
@@ -239,6 +245,9 @@ class Connection {
   // connection end (its operations fail with UNAVAILABLE).
   virtual void Close() = 0;
   virtual ConnectionStats stats() const = 0;
+  // stats().frames_received without the rest (RDMA's stats() queries the QP):
+  // read by the RPC keepalive's sweep.
+  virtual uint64_t frames_received() const = 0;
 
   template <typename Token>
   auto async_send(SendBuffer buffer, Token&& token) {

@@ -1145,6 +1145,25 @@ TEST_P(TransportConformance, StatsCountMessagesAndBytes) {
   EXPECT_EQ(s.bytes_received - server_before.bytes_received, bytes);
 }
 
+// frames_received is what the RPC keepalive reads as a sign of life
+// (rpc/keepalive.h): every arrival bumps it, a large message's too.
+TEST_P(TransportConformance, FramesReceivedGrowWithEveryArrival) {
+  auto pair = ConnectPair();
+  ASSERT_TRUE(pair.ok()) << pair.status();
+  auto frames = [&] { return pair->server->frames_received(); };
+  uint64_t last = frames();
+  // The large one: rendezvous on RDMA, a body read of its own on TCP.
+  const size_t large = std::min<size_t>(size_t{1} << 20, pair->client->max_message_size());
+  for (size_t size : {size_t{64}, large, size_t{64}}) {
+    auto flow = StartFlow(pair->client, pair->server, 7 + size, 1, 1, [size](int) { return size; });
+    ASSERT_TRUE(RunUntil([&] { return flow->done(); })) << Progress(*flow);
+    ASSERT_EQ(flow->failure, "");
+    EXPECT_GT(frames(), last) << "a " << size << "-byte message arrived uncounted";
+    last = frames();
+  }
+  EXPECT_EQ(pair->server->stats().frames_received, frames());
+}
+
 // ---- authentication (transport/common/auth.h) ---------------------------------------------------------
 
 #define SKIP_WITHOUT_AUTH()                                                        \

@@ -367,15 +367,40 @@ TEST(Keepalive, PingsAfterSilenceDeclaresDeadAfterTimeoutAndAnyFrameResets) {
   const KeepaliveOptions o{ms(1000), ms(500)};
   const auto t0 = Keepalive::Clock::now();
   Keepalive k(t0);
-  EXPECT_EQ(k.Sweep(t0 + ms(999), o), Keepalive::Action::kNone);   // not silent long enough
-  EXPECT_EQ(k.Sweep(t0 + ms(1000), o), Keepalive::Action::kPing);  // silent for interval
-  EXPECT_EQ(k.Sweep(t0 + ms(1200), o), Keepalive::Action::kNone);  // one PING, not one per sweep
+  EXPECT_EQ(k.Sweep(t0 + ms(999), o, 0), Keepalive::Action::kNone);   // not silent long enough
+  EXPECT_EQ(k.Sweep(t0 + ms(1000), o, 0), Keepalive::Action::kPing);  // silent for interval
+  EXPECT_EQ(k.Sweep(t0 + ms(1200), o, 0), Keepalive::Action::kNone);  // one PING, not one per sweep
   k.OnFrame();                                                      // the PONG (or any frame)
-  EXPECT_EQ(k.Sweep(t0 + ms(1400), o), Keepalive::Action::kNone);
-  EXPECT_EQ(k.Sweep(t0 + ms(2399), o), Keepalive::Action::kNone);  // silence counts from the frame
-  EXPECT_EQ(k.Sweep(t0 + ms(2400), o), Keepalive::Action::kPing);
-  EXPECT_EQ(k.Sweep(t0 + ms(2899), o), Keepalive::Action::kNone);
-  EXPECT_EQ(k.Sweep(t0 + ms(2900), o), Keepalive::Action::kDead);  // nothing within timeout of the PING
+  EXPECT_EQ(k.Sweep(t0 + ms(1400), o, 0), Keepalive::Action::kNone);
+  EXPECT_EQ(k.Sweep(t0 + ms(2399), o, 0), Keepalive::Action::kNone);  // silence counts from the frame
+  EXPECT_EQ(k.Sweep(t0 + ms(2400), o, 0), Keepalive::Action::kPing);
+  EXPECT_EQ(k.Sweep(t0 + ms(2899), o, 0), Keepalive::Action::kNone);
+  EXPECT_EQ(k.Sweep(t0 + ms(2900), o, 0), Keepalive::Action::kDead);  // nothing within timeout of the PING
+}
+
+// Frames the transport takes in below the RPC layer (RDMA's CTS, CREDIT,
+// WRITE-with-immediate) are signs of life too: a connection working through
+// a backlog, whose PING waits behind its own messages and whose peer's
+// answers wait behind rendezvous progress, is not declared dead.
+TEST(Keepalive, TransportFramesCountAsLifeWithoutAnyRpcFrame) {
+  using internal::Keepalive;
+  using ms = std::chrono::milliseconds;
+  const KeepaliveOptions o{ms(300), ms(500)};
+  const auto t0 = Keepalive::Clock::now();
+  Keepalive k(t0);
+  uint64_t transport = 0;
+  for (int i = 1; i <= 100; ++i) {
+    transport += 3;  // CTS and CREDIT frames arrive; no RPC frame does
+    EXPECT_EQ(k.Sweep(t0 + ms(100 * i), o, transport), Keepalive::Action::kNone) << i;
+  }
+  // Then nothing at all: the usual PING, and dead after the timeout.
+  EXPECT_EQ(k.Sweep(t0 + ms(10'000 + 300), o, transport), Keepalive::Action::kPing);
+  EXPECT_EQ(k.Sweep(t0 + ms(10'000 + 800), o, transport), Keepalive::Action::kDead);
+  // A transport frame after a PING answers it as a PONG would.
+  Keepalive k2(t0);
+  EXPECT_EQ(k2.Sweep(t0 + ms(300), o, 0), Keepalive::Action::kPing);
+  EXPECT_EQ(k2.Sweep(t0 + ms(700), o, 1), Keepalive::Action::kNone);
+  EXPECT_EQ(k2.Sweep(t0 + ms(1000), o, 1), Keepalive::Action::kPing);
 }
 
 TEST(Keepalive, BusyConnectionNeverPingsAndZeroTurnsItOff) {
@@ -386,7 +411,7 @@ TEST(Keepalive, BusyConnectionNeverPingsAndZeroTurnsItOff) {
   Keepalive k(t0);
   for (int i = 1; i <= 100; ++i) {
     k.OnFrame();
-    EXPECT_EQ(k.Sweep(t0 + ms(50 * i), o), Keepalive::Action::kNone) << i;
+    EXPECT_EQ(k.Sweep(t0 + ms(50 * i), o, 0), Keepalive::Action::kNone) << i;
   }
   EXPECT_TRUE(Keepalive::Enabled(o));
   EXPECT_FALSE(Keepalive::Enabled(KeepaliveOptions{ms(0), ms(100)}));

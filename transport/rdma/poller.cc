@@ -287,9 +287,9 @@ class EventPoller final : public Poller {
   // ibv_poll_cq a pass (~60 instructions on rxe, ~120 a call in
   // bench/cpu_per_call); what lands meanwhile is the next pass's, and a spin
   // waits only after a drain that found nothing. In event mode the drain goes
-  // on to an empty poll before the wait: with the short poll ending it there
-  // too, RpcRdmaStalledReceiver's first burst (350 calls at once, 64 KiB ones
-  // among them) went unanswered every time in the VM (cause not found).
+  // on to an empty poll before the wait: a completion that lands after a short
+  // poll would cost a wake-up (event read, re-arm, epoll_wait), far more than
+  // the poll (docs/transport.md, "Pollers").
   bool DrainToEmpty(SinkBox& box, bool* any = nullptr) {
     Batch b;
     while ((b.n = ibv_poll_cq(cq_, kBatch, b.wc.data())) > 0) {

@@ -484,6 +484,7 @@ class RdmaConnectionImpl final : public std::enable_shared_from_this<RdmaConnect
     Fail(absl::CancelledError("connection closed locally"), /*log=*/false);
   }
 
+  uint64_t frames_received() const { return stats_.frames_received; }
   transport::ConnectionStats stats() const {
     auto s = stats_;
     s.credits_available = ledger_ ? ledger_->data_credits() : 0;
@@ -1390,6 +1391,7 @@ class RdmaConnectionImpl final : public std::enable_shared_from_this<RdmaConnect
       if (!error_.ok()) continue;
       switch (WrKindOf(wc.wr_id)) {
         case kWrRecv:
+          ++stats_.frames_received;
           OnRecv(wc);
           break;
         case kWrCover:  // Its slot went back at its post (kSelectiveSignalling).
@@ -1837,6 +1839,7 @@ class RdmaConnection final : public transport::Connection {
   bool SetSink(transport::MessageSink* sink) override { return impl_->SetSink(sink); }
   void Close() override { impl_->Close(); }
   transport::ConnectionStats stats() const override { return impl_->stats(); }
+  uint64_t frames_received() const override { return impl_->frames_received(); }
   void SendRegistered(std::shared_ptr<const Buffer> buffer, transport::SendHandler handler) {
     impl_->SendRegistered(std::move(buffer), std::move(handler));
   }

@@ -428,8 +428,10 @@ class ConnectionCore final : public std::enable_shared_from_this<ConnectionCore>
     s.messages_received = messages_received_.load(std::memory_order_relaxed);
     s.bytes_sent = bytes_sent_.load(std::memory_order_relaxed);
     s.bytes_received = bytes_received_.load(std::memory_order_relaxed);
+    s.frames_received = frames_received();
     return s;
   }
+  uint64_t frames_received() const { return arrivals_.load(std::memory_order_relaxed); }
 
  private:
   struct PendingSend {
@@ -636,6 +638,7 @@ class ConnectionCore final : public std::enable_shared_from_this<ConnectionCore>
       return OnReadError(n == 0 ? error_code(asio::error::eof) : error_code(errno, boost::system::system_category()));
     }
     rend_ += static_cast<size_t>(n);
+    arrivals_.store(arrivals_.load(std::memory_order_relaxed) + 1, std::memory_order_relaxed);  // one writer: no RMW
     in_io_handler_ = true;
     in_read_handler_ = true;
     ReadLoop();
@@ -664,6 +667,7 @@ class ConnectionCore final : public std::enable_shared_from_this<ConnectionCore>
       body_.Reset();
       return OnReadError(ec);
     }
+    arrivals_.store(arrivals_.load(std::memory_order_relaxed) + 1, std::memory_order_relaxed);
     in_io_handler_ = true;
     in_read_handler_ = true;
     try {
@@ -1085,6 +1089,7 @@ class ConnectionCore final : public std::enable_shared_from_this<ConnectionCore>
   std::atomic<uint64_t> messages_received_{0};
   std::atomic<uint64_t> bytes_sent_{0};
   std::atomic<uint64_t> bytes_received_{0};
+  std::atomic<uint64_t> arrivals_{0};  // reads that brought bytes: frames_received
 };
 
 class TcpConnection final : public Connection {
@@ -1103,6 +1108,7 @@ class TcpConnection final : public Connection {
   bool SetSink(MessageSink* sink) override { return core_->SetSink(sink); }
   void Close() override { core_->Close(); }
   ConnectionStats stats() const override { return core_->stats(); }
+  uint64_t frames_received() const override { return core_->frames_received(); }
 
  private:
   std::shared_ptr<ConnectionCore> core_;
