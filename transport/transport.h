@@ -118,9 +118,9 @@ struct ConnectionStats {
   uint64_t bytes_received = 0;
   // Everything that arrived from the peer: messages, and the transport's own
   // frames below them (RDMA: every receive completion, RTS, CTS, CREDIT and
-  // WRITE-with-immediate included; TCP: every read that brought bytes, a
-  // large message's body counted once it is whole). The RPC keepalive counts
-  // it as a sign of life (rpc/keepalive.h).
+  // WRITE-with-immediate included; TCP, which has no frames of its own:
+  // messages_received). The RPC keepalive counts it as a sign of life
+  // (rpc/keepalive.h).
   uint64_t frames_received = 0;
   // RDMA only (zero elsewhere).
   uint64_t wr_posted = 0;

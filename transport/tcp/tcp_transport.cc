@@ -431,7 +431,8 @@ class ConnectionCore final : public std::enable_shared_from_this<ConnectionCore>
     s.frames_received = frames_received();
     return s;
   }
-  uint64_t frames_received() const { return arrivals_.load(std::memory_order_relaxed); }
+  // TCP has no frames of its own below the messages.
+  uint64_t frames_received() const { return messages_received_.load(std::memory_order_relaxed); }
 
  private:
   struct PendingSend {
@@ -638,7 +639,6 @@ class ConnectionCore final : public std::enable_shared_from_this<ConnectionCore>
       return OnReadError(n == 0 ? error_code(asio::error::eof) : error_code(errno, boost::system::system_category()));
     }
     rend_ += static_cast<size_t>(n);
-    arrivals_.store(arrivals_.load(std::memory_order_relaxed) + 1, std::memory_order_relaxed);  // one writer: no RMW
     in_io_handler_ = true;
     in_read_handler_ = true;
     ReadLoop();
@@ -667,7 +667,6 @@ class ConnectionCore final : public std::enable_shared_from_this<ConnectionCore>
       body_.Reset();
       return OnReadError(ec);
     }
-    arrivals_.store(arrivals_.load(std::memory_order_relaxed) + 1, std::memory_order_relaxed);
     in_io_handler_ = true;
     in_read_handler_ = true;
     try {
@@ -1089,7 +1088,6 @@ class ConnectionCore final : public std::enable_shared_from_this<ConnectionCore>
   std::atomic<uint64_t> messages_received_{0};
   std::atomic<uint64_t> bytes_sent_{0};
   std::atomic<uint64_t> bytes_received_{0};
-  std::atomic<uint64_t> arrivals_{0};  // reads that brought bytes: frames_received
 };
 
 class TcpConnection final : public Connection {
