@@ -240,6 +240,8 @@ constexpr StatField kStatFields[] = {
     {"messages_received", &transport::ConnectionStats::messages_received, false, "Messages received."},
     {"bytes_sent", &transport::ConnectionStats::bytes_sent, false, "Message bytes sent."},
     {"bytes_received", &transport::ConnectionStats::bytes_received, false, "Message bytes received."},
+    {"frames_received", &transport::ConnectionStats::frames_received, false,
+     "Everything that arrived: messages and the transport's own frames (RDMA RTS, CTS, CREDIT, WRITE-with-immediate); keepalive counts it as life."},
     {"wr_posted", &transport::ConnectionStats::wr_posted, false, "RDMA work requests posted (0 for tcp)."},
     {"wr_completed", &transport::ConnectionStats::wr_completed, false, "RDMA work completions polled: one per receive and per signalled send-queue WR (unsignalled SENDs and WRITE chunks have none)."},
     {"send_doorbells", &transport::ConnectionStats::send_doorbells, false,

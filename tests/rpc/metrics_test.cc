@@ -580,7 +580,8 @@ TEST(RpcMetrics, ScrapeMatchesTheCallsMade) {
                            "rdmarpc_connection_credits_available", "rdmarpc_connection_rnr_errors_total",
                            "rdmarpc_connection_wc_errors_total", "rdmarpc_connection_grants_live",
                            "rdmarpc_connection_eager_bytes_total", "rdmarpc_connection_rendezvous_bytes_total",
-                           "rdmarpc_connection_bytes_received_total", "rdmarpc_connection_calls_in_flight"})
+                           "rdmarpc_connection_bytes_received_total", "rdmarpc_connection_frames_received_total",
+                           "rdmarpc_connection_calls_in_flight"})
     EXPECT_TRUE(e.Find(name, {{"transport", "tcp"}}).has_value()) << name;
   // The registry agrees with the page.
   env.OnIo([&] {
