@@ -66,6 +66,17 @@ class Channel::Impl : public std::enable_shared_from_this<Impl> {
   State state() const { return state_; }
   const Status& last_error() const { return last_error_; }
   const ChannelStats& stats() const { return stats_; }
+  std::optional<transport::ConnectionStats> connection_stats() const {
+    if (state_ != State::kReady || !conn_) return std::nullopt;
+    return conn_->c->stats();
+  }
+  // Channel::Batch: holds the current connection's sends; the handle
+  // releases them when dropped (null: no connection, nothing to hold).
+  std::shared_ptr<void> HoldSends() {
+    if (state_ != State::kReady || !conn_ || conn_->dead) return nullptr;
+    conn_->c->HoldSends();
+    return std::shared_ptr<void>(nullptr, [conn = conn_](void*) { conn->c->ReleaseSends(); });
+  }
 
   // `request` is null when the caller serialised it already (into `bytes`).
   void Start(ClientContext& ctx, const MethodInfo& method, const MessageLite* request, std::string bytes,
@@ -666,8 +677,13 @@ void Channel::Impl::OnConnected(absl::StatusOr<std::unique_ptr<Connection>> resu
   RDMARPC_LOG(kInfo, "channel", "event=established target=", target_, " peer=", *conn->peer);
   StartReceiving(conn);
   if (!keepalive_armed_ && internal::Keepalive::Enabled(options_.keepalive)) ArmKeepalive();
-  for (Ref r : std::exchange(queued_, {}))
-    if (r.live() && r.call->state == CallState::kQueued && conn_ == conn) Send(r.call);
+  {
+    // The calls that waited for the connection leave together: one doorbell
+    // (RDMA) or one sendmsg() (TCP) for all of them, not one each.
+    transport::SendBatch batch(*conn->c);
+    for (Ref r : std::exchange(queued_, {}))
+      if (r.live() && r.call->state == CallState::kQueued && conn_ == conn) Send(r.call);
+  }
   CompleteWaiters(Status());
 }
 
@@ -938,6 +954,10 @@ void ChannelInterface::StartStream(ClientContext& context, const MethodInfo& met
 
 asio::any_io_executor Channel::get_executor() const { return impl_->executor(); }
 
+Channel::Batch::Batch(Channel& channel) {
+  if (OnThisThread(channel.impl_->executor())) hold_ = channel.impl_->HoldSends();
+}
+
 void Channel::Close() {
   asio::post(impl_->executor(), [impl = impl_] { impl->Close(); });
 }
@@ -946,5 +966,6 @@ const std::string& Channel::target() const { return impl_->target(); }
 Channel::State Channel::state() const { return impl_->state(); }
 Status Channel::last_error() const { return impl_->last_error(); }
 ChannelStats Channel::stats() const { return impl_->stats(); }
+std::optional<transport::ConnectionStats> Channel::connection_stats() const { return impl_->connection_stats(); }
 
 }  // namespace rdmarpc

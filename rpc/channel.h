@@ -23,6 +23,7 @@
 #include <chrono>
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <string_view>
 
@@ -94,11 +95,37 @@ class Channel final : public ChannelInterface {
   // Idempotent. Pending calls complete with CANCELLED; later calls fail.
   void Close();
 
+  // Calls started while a Batch lives, on the thread running the channel's
+  // io_context, leave together when it ends: over RDMA one doorbell for all
+  // their SENDs (one ibv_post_send; on Soft-RoCE one system call), over TCP
+  // one sendmsg(), instead of one each. For a burst started outside a
+  // completion handler (over RDMA the requests a completion handler starts
+  // share a doorbell already). Calls that cannot go yet (no connection) are
+  // queued as always; once it is up, every queued call leaves in one batch,
+  // Batch or not. Nothing leaves before the Batch ends: keep it to the loop
+  // that starts the burst. Nestable. Made on another thread (where calls hop
+  // to the executor one by one) it does nothing.
+  //   { Channel::Batch batch(*channel); for (auto& r : requests) stub.async_Get(ctx, r, handler); }
+  class Batch {
+   public:
+    explicit Batch(Channel& channel);
+    ~Batch() = default;  // (hold_'s deleter releases the sends)
+    Batch(const Batch&) = delete;
+    Batch& operator=(const Batch&) = delete;
+
+   private:
+    std::shared_ptr<void> hold_;
+  };
+
   const std::string& target() const;
   // Both read on the channel's executor.
   State state() const;
   Status last_error() const;
   ChannelStats stats() const;
+  // The transport counters of the connection in use (messages, doorbells,
+  // credits, ...), read on the channel's executor; nullopt while there is
+  // none (not connected yet, reconnecting, closed).
+  std::optional<transport::ConnectionStats> connection_stats() const;
 
   class Impl;
 

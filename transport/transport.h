@@ -129,8 +129,10 @@ struct ConnectionStats {
   // have none, so wr_posted - wr_completed is not what is in flight
   // (send_queue_used is).
   uint64_t wr_completed = 0;
-  // ibv_post_send calls, each one doorbell (one system call on Soft-RoCE):
-  // the SENDs posted while a completion batch is handled share one.
+  // Kicks of the sending side: RDMA, ibv_post_send calls (each one doorbell;
+  // one system call on Soft-RoCE); TCP, writes started (send()/sendmsg()
+  // calls, and the reactor's write of a remainder counted once). The sends of
+  // a completion batch (RDMA) and of a SendBatch (both) share one.
   uint64_t send_doorbells = 0;
   // SENDs posted unsignalled (no completion of their own): inline SendUntracked()
   // messages sent while a completion batch is handled (docs/transport.md,
@@ -248,6 +250,18 @@ class Connection {
   // stats().frames_received without the rest (RDMA's stats() queries the QP):
   // read by the RPC keepalive's sweep. Both transports override it cheaply.
   virtual uint64_t frames_received() const { return stats().frames_received; }
+  // Sends made between HoldSends() and the matching ReleaseSends() go out
+  // together at the release: over RDMA as one chain of SENDs (one
+  // ibv_post_send: one doorbell, on Soft-RoCE one system call), over TCP in
+  // one sendmsg(), instead of one each. For a burst started outside the
+  // transport's own handlers (RDMA batches what its completion handlers send
+  // by itself). Held sends still wait for credits and send-queue room as
+  // always; a send that needs a one-sided operation (a rendezvous WRITE)
+  // posts what is held first, so order is kept. Nestable; the connection's
+  // executor only; a release without a hold is ignored. Use SendBatch.
+  // The defaults (a backend without batching) send at once.
+  virtual void HoldSends() {}
+  virtual void ReleaseSends() {}
 
   template <typename Token>
   auto async_send(SendBuffer buffer, Token&& token) {
@@ -270,6 +284,20 @@ class Connection {
 
  private:
   void SendCopy(std::span<const std::byte> bytes, SendHandler handler);
+};
+
+// Holds a connection's sends for its lifetime (Connection::HoldSends):
+//   { transport::SendBatch batch(*conn); for (auto& m : burst) conn->SendUntracked(...); }
+// The connection must outlive it.
+class SendBatch {
+ public:
+  explicit SendBatch(Connection& c) : c_(c) { c_.HoldSends(); }
+  ~SendBatch() { c_.ReleaseSends(); }
+  SendBatch(const SendBatch&) = delete;
+  SendBatch& operator=(const SendBatch&) = delete;
+
+ private:
+  Connection& c_;
 };
 
 class Listener {

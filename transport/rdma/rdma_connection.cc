@@ -485,6 +485,21 @@ class RdmaConnectionImpl final : public std::enable_shared_from_this<RdmaConnect
   }
 
   uint64_t frames_received() const { return stats_.frames_received; }
+
+  // Connection::HoldSends/ReleaseSends: the completion path's DoorbellHold,
+  // taken by the application around a burst of its own. Executor only.
+  void HoldSends() { ++doorbell_hold_; }
+  void ReleaseSends() {
+    if (doorbell_hold_ == 0) return;  // a release without a hold
+    if (--doorbell_hold_ != 0 || held_.sends == 0) return;
+    if (auto st = RingDoorbells(); !st.ok()) return Fail(st);
+    // SENDs done at their post (only made while a completion batch is
+    // handled, so only when this hold was taken inside one's handler and
+    // outlived it): reported as the batch would have, never inside this call.
+    if (done_at_post_ != 0)
+      asio::post(ex_, transport::WithHandlerMemory([self = shared_from_this()] { self->ReportDoneAtPost(); }));
+  }
+
   transport::ConnectionStats stats() const {
     auto s = stats_;
     s.credits_available = ledger_ ? ledger_->data_credits() : 0;
@@ -1840,6 +1855,8 @@ class RdmaConnection final : public transport::Connection {
   void Close() override { impl_->Close(); }
   transport::ConnectionStats stats() const override { return impl_->stats(); }
   uint64_t frames_received() const override { return impl_->frames_received(); }
+  void HoldSends() override { impl_->HoldSends(); }
+  void ReleaseSends() override { impl_->ReleaseSends(); }
   void SendRegistered(std::shared_ptr<const Buffer> buffer, transport::SendHandler handler) {
     impl_->SendRegistered(std::move(buffer), std::move(handler));
   }

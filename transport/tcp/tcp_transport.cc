@@ -374,9 +374,18 @@ class ConnectionCore final : public std::enable_shared_from_this<ConnectionCore>
     const size_t size = buffer.size();
     const uint64_t token = buffer.Detach();
     EncodeLength(static_cast<uint32_t>(size), pool_.memory(token) + kSendPrefix - kHeaderBytes);
-    if (!writing_ && send_queue_.empty()) return SendOne(PendingSend{token, size, std::move(handler)});
+    if (!writing_ && send_queue_.empty() && send_hold_ == 0)
+      return SendOne(PendingSend{token, size, std::move(handler)});
     send_queue_.push_back(PendingSend{token, size, std::move(handler)});
-    if (!writing_) WriteBatch();
+    if (!writing_ && send_hold_ == 0) WriteBatch();
+  }
+
+  // Connection::HoldSends/ReleaseSends: what Send() queues meanwhile leaves
+  // in one sendmsg() at the release (WriteBatch), not one send() each.
+  void HoldSends() { ++send_hold_; }
+  void ReleaseSends() {
+    if (send_hold_ == 0) return;  // a release without a hold
+    if (--send_hold_ == 0 && !writing_ && !send_queue_.empty() && status_.ok()) WriteBatch();
   }
 
   void Receive(ReceiveHandler handler) {
@@ -429,6 +438,7 @@ class ConnectionCore final : public std::enable_shared_from_this<ConnectionCore>
     s.bytes_sent = bytes_sent_.load(std::memory_order_relaxed);
     s.bytes_received = bytes_received_.load(std::memory_order_relaxed);
     s.frames_received = frames_received();
+    s.send_doorbells = writes_started_.load(std::memory_order_relaxed);
     return s;
   }
   // TCP has no frames of its own below the messages.
@@ -836,6 +846,7 @@ class ConnectionCore final : public std::enable_shared_from_this<ConnectionCore>
       msg.msg_iov = vec.data();
       msg.msg_iovlen = n;
       const ssize_t w = SendmsgNow(socket_.native_handle(), &msg);
+      writes_started_.fetch_add(1, std::memory_order_relaxed);
       if (w >= 0 && static_cast<size_t>(w) == total) {
         if (send_queue_.empty()) return OnWrittenNow();
         ReleaseBatch();
@@ -864,6 +875,7 @@ class ConnectionCore final : public std::enable_shared_from_this<ConnectionCore>
     const std::byte* frame = pool_.memory(s.token) + kSendPrefix - kHeaderBytes;
     const size_t total = kHeaderBytes + s.size;
     const ssize_t w = SendNow(socket_.native_handle(), frame, total);
+    writes_started_.fetch_add(1, std::memory_order_relaxed);
     if (w >= 0 && static_cast<size_t>(w) == total) {
       Sent(s);
       ScheduleCompleteWritten();
@@ -883,6 +895,7 @@ class ConnectionCore final : public std::enable_shared_from_this<ConnectionCore>
 
   // async_write of iov_[first, n), the rest of the frames in in_flight_.
   void WriteRest(size_t first, size_t n) {
+    writes_started_.fetch_add(1, std::memory_order_relaxed);
     asio::async_write(socket_, BufferView{iov_.data() + first, iov_.data() + n},
                       transport::WithOpMemory(write_memory_, [self = shared_from_this()](error_code ec, size_t) {
                         self->OnWritten(ec);
@@ -1088,6 +1101,9 @@ class ConnectionCore final : public std::enable_shared_from_this<ConnectionCore>
   std::atomic<uint64_t> messages_received_{0};
   std::atomic<uint64_t> bytes_sent_{0};
   std::atomic<uint64_t> bytes_received_{0};
+  // ConnectionStats::send_doorbells: send()/sendmsg() calls and async_writes.
+  std::atomic<uint64_t> writes_started_{0};
+  int send_hold_ = 0;  // > 0: Send() queues, ReleaseSends() writes (HoldSends)
 };
 
 class TcpConnection final : public Connection {
@@ -1107,6 +1123,8 @@ class TcpConnection final : public Connection {
   void Close() override { core_->Close(); }
   ConnectionStats stats() const override { return core_->stats(); }
   uint64_t frames_received() const override { return core_->frames_received(); }
+  void HoldSends() override { core_->HoldSends(); }
+  void ReleaseSends() override { core_->ReleaseSends(); }
 
  private:
   std::shared_ptr<ConnectionCore> core_;
