@@ -92,6 +92,12 @@ struct Options {
   // (no locking around each descriptor's reactor operations; the scheduler
   // keeps its lock) instead of 1.
   bool unsafe_io = false;
+  // Calls go in bursts of `concurrency`, each started from a posted task
+  // (outside any completion handler, as a timer or another component would
+  // start them); the next once the whole burst is done. `batch`: each burst
+  // inside a Channel::Batch (one doorbell / one sendmsg for the burst).
+  bool burst = false;
+  bool batch = false;
 };
 
 [[noreturn]] void Usage(const std::string& why) {
@@ -101,7 +107,9 @@ struct Options {
                "                    [--concurrency=N] [--callgrind] [--device=NAME] [--ip=ADDR] [--alloc-trace=N]\n"
                "                    [--poll=event|adaptive|busy] [--rtc]   (poll mode; rdma: run to completion)\n"
                "                    [--handler=coroutine|inline]   (the server's echo: coroutine, or inline fast path)\n"
-               "                    [--io-hint=1|unsafe-io]   (tcp: the io_context's concurrency hint)\n\n"
+               "                    [--io-hint=1|unsafe-io]   (tcp: the io_context's concurrency hint)\n"
+               "                    [--burst=posted|batch]   (bursts of --concurrency calls started from a posted\n"
+               "                     task, one by one or in a Channel::Batch, instead of a closed loop; tcp, rdma)\n\n"
                "Unary echo, client and server in this process. Prints heap allocations per call and,\n"
                "with --callgrind (valgrind installed), user-space instructions per call, both sides\n"
                "together. rdma needs --device/--ip, or RXE_VM_DEV/RXE_VM_SELF_IP (set inside tools/rxe-vm).\n");
@@ -143,6 +151,10 @@ Options Parse(int argc, char** argv) {
     } else if (key == "io-hint") {
       if (val != "1" && val != "unsafe-io") Usage("--io-hint takes 1 or unsafe-io (got " + val + ")");
       o.unsafe_io = val == "unsafe-io";
+    } else if (key == "burst") {
+      if (val != "posted" && val != "batch") Usage("--burst takes posted or batch (got " + val + ")");
+      o.burst = true;
+      o.batch = val == "batch";
     } else if (key == "handler") {
       if (val != "coroutine" && val != "inline") Usage("--handler takes coroutine or inline (got " + val + ")");
       o.inline_handler = val == "inline";
@@ -163,6 +175,7 @@ struct Phase {
   uint64_t allocs = 0;
   double wall_s = 0;
   uint64_t errors = 0;
+  uint64_t doorbells = 0;  // the client connection's send_doorbells over the measured calls
 };
 
 class EchoService final : public rdmarpc::bench::Echo::Service {
@@ -187,9 +200,9 @@ class EchoService final : public rdmarpc::bench::Echo::Service {
 // allocation count cover exactly the completions of the measured calls.
 class Loop {
  public:
-  Loop(const Options& o) : o_(o) {}
+  Loop(const Options& o, std::function<uint64_t()> doorbells) : o_(o), doorbells_(std::move(doorbells)) {}
   uint64_t issued = 0, completed = 0, errors = 0;
-  uint64_t allocs_at_start = 0;
+  uint64_t allocs_at_start = 0, doorbells_at_start = 0;
   Clock::time_point start;
   bool measuring = false;
 
@@ -203,6 +216,7 @@ class Loop {
     measuring = true;
     start = Clock::now();
     allocs_at_start = AllocCount();
+    doorbells_at_start = doorbells_();
     if (o_.alloc_trace > 0) TraceNextAllocs(o_.alloc_trace);
     CALLGRIND_START_INSTRUMENTATION;
   }
@@ -214,6 +228,7 @@ class Loop {
     p.wall_s = std::chrono::duration<double>(Clock::now() - start).count();
     p.calls = completed - o_.warmup;
     p.errors = errors;
+    p.doorbells = doorbells_() - doorbells_at_start;
     return p;
   }
   bool more() const { return issued < o_.warmup + o_.calls; }
@@ -221,6 +236,7 @@ class Loop {
 
  private:
   const Options& o_;
+  std::function<uint64_t()> doorbells_;
 };
 
 absl::StatusOr<Phase> RunRdmarpc(const Options& o, const std::string& transport) {
@@ -267,19 +283,40 @@ absl::StatusOr<Phase> RunRdmarpc(const Options& o, const std::string& transport)
     slots.push_back(std::make_unique<Slot>());
     slots.back()->req.set_payload(std::string(o.size, 'x'));
   }
-  Loop loop(o);
+  Loop loop(o, [&] {
+    auto s = (*channel)->connection_stats();
+    return s ? s->send_doorbells : 0;
+  });
+  int outstanding = 0;  // --burst: calls of the burst not completed yet
+  std::function<void()> burst;
   std::function<void(int)> issue = [&](int i) {
     Slot& s = *slots[static_cast<size_t>(i)];
     ++loop.issued;
     stub.async_Echo(s.ctx, s.req, s.resp, [&, i](boost::system::error_code ec) {
       Slot& done = *slots[static_cast<size_t>(i)];
       loop.OnCompleted(!ec && done.resp.payload().size() == o.size);
-      if (loop.more()) issue(i);
+      if (!o.burst) {
+        if (loop.more()) issue(i);
+      } else if (--outstanding == 0 && loop.more()) {
+        asio::post(io, [&] { burst(); });
+      }
       if (loop.done()) io.stop();
     });
   };
+  burst = [&] {
+    std::optional<Channel::Batch> batch;
+    if (o.batch) batch.emplace(**channel);
+    for (int i = 0; i < o.concurrency && loop.more(); ++i) {
+      ++outstanding;
+      issue(i);
+    }
+  };
   if (o.warmup == 0) loop.Begin();
-  for (int i = 0; i < o.concurrency && loop.more(); ++i) issue(i);
+  if (o.burst) {
+    asio::post(io, [&] { burst(); });
+  } else {
+    for (int i = 0; i < o.concurrency && loop.more(); ++i) issue(i);
+  }
   // run(), not a run_one() loop: Asio keeps its per-thread recycling caches
   // (coroutine frames, cancellation state) only for the life of one run call.
   asio::steady_timer give_up(io, std::chrono::minutes(30));
@@ -315,7 +352,7 @@ absl::StatusOr<Phase> RunGrpc(const Options& o) {
   };
   std::vector<Slot> slots(static_cast<size_t>(o.concurrency));
   for (auto& s : slots) s.req.set_payload(std::string(o.size, 'x'));
-  Loop loop(o);
+  Loop loop(o, [] { return uint64_t{0}; });
   auto issue = [&](int i) {
     Slot& s = slots[static_cast<size_t>(i)];
     ++loop.issued;
@@ -368,8 +405,9 @@ int Child(const Options& o) {
     std::fprintf(stderr, "cpu_per_call: %s: %s\n", o.transports[0].c_str(), p.status().ToString().c_str());
     return 1;
   }
-  std::printf("PHASE calls=%llu allocs=%llu errors=%llu wall_s=%.6f\n", static_cast<unsigned long long>(p->calls),
-              static_cast<unsigned long long>(p->allocs), static_cast<unsigned long long>(p->errors), p->wall_s);
+  std::printf("PHASE calls=%llu allocs=%llu errors=%llu wall_s=%.6f doorbells=%llu\n",
+              static_cast<unsigned long long>(p->calls), static_cast<unsigned long long>(p->allocs),
+              static_cast<unsigned long long>(p->errors), p->wall_s, static_cast<unsigned long long>(p->doorbells));
   return 0;
 }
 
@@ -416,6 +454,7 @@ absl::StatusOr<CountRow> RunUnderCallgrind(const Options& o, const std::string& 
   if (o.rtc) args.push_back("--rtc");
   if (o.inline_handler) args.push_back("--handler=inline");
   if (o.unsafe_io) args.push_back("--io-hint=unsafe-io");
+  if (o.burst) args.push_back(o.batch ? "--burst=batch" : "--burst=posted");
   if (!o.ip.empty()) args.push_back(absl::StrCat("--ip=", o.ip));
   int pipefd[2];
   if (pipe(pipefd) != 0) return absl::InternalError("pipe failed");
@@ -447,12 +486,12 @@ absl::StatusOr<CountRow> RunUnderCallgrind(const Options& o, const std::string& 
   row.transport = transport;
   const auto at = output.find("PHASE ");
   if (at == std::string::npos) return absl::InternalError("the callgrind child printed no result");
-  unsigned long long calls = 0, allocs = 0, errors = 0;
+  unsigned long long calls = 0, allocs = 0, errors = 0, doorbells = 0;
   double wall = 0;
-  if (std::sscanf(output.c_str() + at, "PHASE calls=%llu allocs=%llu errors=%llu wall_s=%lf", &calls, &allocs,
-                  &errors, &wall) != 4)
+  if (std::sscanf(output.c_str() + at, "PHASE calls=%llu allocs=%llu errors=%llu wall_s=%lf doorbells=%llu", &calls,
+                  &allocs, &errors, &wall, &doorbells) != 5)
     return absl::InternalError("cannot parse the callgrind child's result");
-  row.phase = {calls, allocs, wall, errors};
+  row.phase = {calls, allocs, wall, errors, doorbells};
   row.instructions = ReadCallgrindTotal(out);
   std::remove(out.c_str());
   if (!row.instructions) return absl::InternalError(absl::StrCat("no total in ", out));
@@ -494,8 +533,8 @@ int main(int argc, char** argv) {
       rows.push_back({t, *p, std::nullopt});
     }
   }
-  std::printf("| transport | size B | conc | calls | instructions/call | allocs/call | errors | wall us/call |\n");
-  std::printf("|---|---:|---:|---:|---:|---:|---:|---:|\n");
+  std::printf("| transport | size B | conc | calls | instructions/call | allocs/call | errors | wall us/call | client doorbells/call |\n");
+  std::printf("|---|---:|---:|---:|---:|---:|---:|---:|---:|\n");
   const CountRow* grpc = nullptr;
   for (const auto& r : rows)
     if (r.transport == "grpc") grpc = &r;
@@ -515,15 +554,19 @@ int main(int argc, char** argv) {
                                              r.transport == "tcp" && o.poll != rdmarpc::rdma::PollMode::kEvent
                                                  ? absl::StrCat(", poll=", rdmarpc::rdma::PollModeName(o.poll))
                                                  : "",
+                                             o.burst ? (o.batch ? ", bursts in a Channel::Batch" : ", posted bursts") : "",
                                              ")");
-    std::printf("| %s | %zu | %d | %llu | %s | %.2f | %llu | %.1f |\n", label.c_str(), o.size, o.concurrency,
+    const std::string doorbells =
+        r.transport == "grpc" ? "-" : absl::StrFormat("%.2f", static_cast<double>(r.phase.doorbells) / calls);
+    std::printf("| %s | %zu | %d | %llu | %s | %.2f | %llu | %.1f | %s |\n", label.c_str(), o.size, o.concurrency,
                 static_cast<unsigned long long>(r.phase.calls), ins.c_str(),
                 static_cast<double>(r.phase.allocs) / calls, static_cast<unsigned long long>(r.phase.errors),
-                r.phase.wall_s * 1e6 / calls);
+                r.phase.wall_s * 1e6 / calls, doorbells.c_str());
   }
   std::printf(
       "\ninstructions/call: callgrind's user-space instruction total over the measured calls, client and server\n"
       "together (all threads), divided by the calls; syscalls and the kernel are not counted. allocs/call: every\n"
-      "malloc/new in the process over the same calls. wall us/call under callgrind is ~50x slower than native.\n");
+      "malloc/new in the process over the same calls. wall us/call under callgrind is ~50x slower than native.\n"
+      "client doorbells/call: the client connection's send_doorbells (RDMA: ibv_post_send calls; TCP: writes).\n");
   return failures == 0 ? 0 : 1;
 }
