@@ -70,12 +70,12 @@ class Channel::Impl : public std::enable_shared_from_this<Impl> {
     if (state_ != State::kReady || !conn_) return std::nullopt;
     return conn_->c->stats();
   }
-  // Channel::Batch: holds the current connection's sends; the handle
-  // releases them when dropped (null: no connection, nothing to hold).
-  std::shared_ptr<void> HoldSends() {
+  // Channel::Batch: holds the current connection's sends and returns it,
+  // owned with its Conn (aliasing: no allocation); null when there is none.
+  std::shared_ptr<transport::Connection> HoldSends() {
     if (state_ != State::kReady || !conn_ || conn_->dead) return nullptr;
     conn_->c->HoldSends();
-    return std::shared_ptr<void>(nullptr, [conn = conn_](void*) { conn->c->ReleaseSends(); });
+    return std::shared_ptr<transport::Connection>(conn_, conn_->c.get());
   }
 
   // `request` is null when the caller serialised it already (into `bytes`).
@@ -955,7 +955,11 @@ void ChannelInterface::StartStream(ClientContext& context, const MethodInfo& met
 asio::any_io_executor Channel::get_executor() const { return impl_->executor(); }
 
 Channel::Batch::Batch(Channel& channel) {
-  if (OnThisThread(channel.impl_->executor())) hold_ = channel.impl_->HoldSends();
+  if (OnThisThread(channel.impl_->executor())) held_ = channel.impl_->HoldSends();
+}
+
+Channel::Batch::~Batch() {
+  if (held_) held_->ReleaseSends();
 }
 
 void Channel::Close() {

@@ -109,12 +109,14 @@ class Channel final : public ChannelInterface {
   class Batch {
    public:
     explicit Batch(Channel& channel);
-    ~Batch() = default;  // (hold_'s deleter releases the sends)
+    ~Batch();
     Batch(const Batch&) = delete;
     Batch& operator=(const Batch&) = delete;
 
    private:
-    std::shared_ptr<void> hold_;
+    // The connection whose sends are held, sharing the channel's ownership of
+    // it (no allocation); null when there was none to hold.
+    std::shared_ptr<transport::Connection> held_;
   };
 
   const std::string& target() const;

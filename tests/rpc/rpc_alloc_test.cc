@@ -60,6 +60,9 @@ struct Shape {
   bool deadline = false;   // each call carries a 10 s deadline (client and server timers)
   size_t size = 64;
   bool inline_handler = false;  // the service answers from EchoInline, not the coroutine
+  // Calls go in bursts of `concurrency` started from a posted task inside a
+  // Channel::Batch, the next burst once the last is done (not a closed loop).
+  bool batched_bursts = false;
 };
 
 std::string ShapeName(const ::testing::TestParamInfo<Shape>& p) { return p.param.name; }
@@ -112,6 +115,8 @@ Counts RunCalls(const Shape& s, uint64_t warmup, uint64_t measured, int trace) {
   }
   uint64_t issued = 0, completed = 0, errors = 0, allocs_before = 0;
   const uint64_t total = warmup + measured;
+  int outstanding = 0;  // batched_bursts: calls of the burst not completed yet
+  std::function<void()> burst;
   std::function<void(int)> issue = [&](int i) {
     Slot& slot = *slots[static_cast<size_t>(i)];
     ++issued;
@@ -123,11 +128,26 @@ Counts RunCalls(const Shape& s, uint64_t warmup, uint64_t measured, int trace) {
         allocs_before = bench::AllocCount();
         if (trace > 0) bench::TraceNextAllocs(trace);
       }
-      if (issued < total) issue(i);
+      if (!s.batched_bursts) {
+        if (issued < total) issue(i);
+      } else if (--outstanding == 0 && issued < total) {
+        asio::post(io, [&] { burst(); });
+      }
       if (completed == total) io.stop();
     });
   };
-  for (int i = 0; i < s.concurrency; ++i) issue(i);
+  burst = [&] {
+    Channel::Batch batch(**channel);
+    for (int i = 0; i < s.concurrency && issued < total; ++i) {
+      ++outstanding;
+      issue(i);
+    }
+  };
+  if (s.batched_bursts) {
+    asio::post(io, [&] { burst(); });
+  } else {
+    for (int i = 0; i < s.concurrency; ++i) issue(i);
+  }
   asio::steady_timer give_up(io, std::chrono::minutes(5));
   give_up.async_wait([&](boost::system::error_code ec) {
     if (!ec) io.stop();
@@ -227,7 +247,8 @@ INSTANTIATE_TEST_SUITE_P(Rdma, AllocTest,
                                            Shape{"rdma_64B_c8_deadline", "rdma", 8, true, 64},
                                            Shape{"rdma_64B_c32", "rdma", 32, false, 64},
                                            Shape{"rdma_4KiB_c1", "rdma", 1, false, 4096},
-                                           Shape{"rdma_64B_c8_deadline_inline", "rdma", 8, true, 64, true}),
+                                           Shape{"rdma_64B_c8_deadline_inline", "rdma", 8, true, 64, true},
+                                           Shape{"rdma_64B_c16_batched_bursts", "rdma", 16, false, 64, false, true}),
                          ShapeName);
 #else
 INSTANTIATE_TEST_SUITE_P(Tcp, AllocTest,
@@ -235,7 +256,8 @@ INSTANTIATE_TEST_SUITE_P(Tcp, AllocTest,
                                            Shape{"tcp_64B_c8_deadline", "tcp", 8, true, 64},
                                            Shape{"tcp_64B_c32", "tcp", 32, false, 64},
                                            Shape{"tcp_64KiB_c1", "tcp", 1, false, 65536},
-                                           Shape{"tcp_64B_c8_deadline_inline", "tcp", 8, true, 64, true}),
+                                           Shape{"tcp_64B_c8_deadline_inline", "tcp", 8, true, 64, true},
+                                           Shape{"tcp_64B_c16_batched_bursts", "tcp", 16, false, 64, false, true}),
                          ShapeName);
 #endif
 
