@@ -447,6 +447,62 @@ TEST_F(TcpTransportTest, SendsToAPeerThatStopsReadingWaitAndArriveInOrder) {
   }
 }
 
+// Answers to the frames of one read leave in one write: a server's sink
+// echoing 16 requests that came in one segment sends its 16 answers with one
+// sendmsg(), not 16 send()s (ConnectionCore::ReadLoopHeld); one request at a time
+// is answered at once. Every poll mode.
+TEST_F(TcpTransportTest, AnswersToTheFramesOfOneReadLeaveInOneWrite) {
+  struct EchoSink final : transport::MessageSink {
+    Connection* c = nullptr;
+    int echoed = 0;
+    void OnMessage(Message m) override {
+      auto b = c->Prepare(m.size());
+      ASSERT_TRUE(b.ok()) << b.status();
+      std::memcpy(b->data().data(), m.data().data(), m.size());
+      c->SendUntracked(std::move(*b));
+      ++echoed;
+    }
+    void OnConnectionError(absl::Status) override {}
+  };
+  for (PollMode mode : {PollMode::kEvent, PollMode::kBusy, PollMode::kAdaptive}) {
+    SCOPED_TRACE(PollModeName(mode));
+    auto [listener, client, server] = ConnectWorking({.poll_mode = mode, .adaptive_spin = std::chrono::seconds(5)});
+    ASSERT_NE(client, nullptr);
+    EchoSink sink;
+    sink.c = server.get();
+    ASSERT_TRUE(server->SetSink(&sink));
+    // One at a time: each answer is written at once (nothing held).
+    for (int i = 0; i < 3; ++i) {
+      const uint64_t before = server->stats().send_doorbells;
+      ASSERT_TRUE(SendAndWait(*client, absl::StrCat("single ", i)).ok());
+      auto got = ReceiveAndWait(*client);
+      ASSERT_TRUE(got.ok()) << got.status();
+      EXPECT_EQ(*got, absl::StrCat("single ", i));
+      EXPECT_EQ(server->stats().send_doorbells - before, uint64_t{1});
+    }
+    // Sixteen in one segment (one sendmsg from the client's batch).
+    constexpr int kBurst = 16;
+    const uint64_t before = server->stats().send_doorbells;
+    const int echoed_before = sink.echoed;
+    {
+      transport::SendBatch batch(*client);
+      for (int i = 0; i < kBurst; ++i) {
+        const std::string text = absl::StrCat("burst ", i);
+        client->async_send(std::as_bytes(std::span<const char>(text.data(), text.size())),
+                           [](absl::Status st) { EXPECT_TRUE(st.ok()) << st; });
+      }
+    }
+    for (int i = 0; i < kBurst; ++i) {
+      auto got = ReceiveAndWait(*client);
+      ASSERT_TRUE(got.ok()) << "answer " << i << ": " << got.status();
+      EXPECT_EQ(*got, absl::StrCat("burst ", i));
+    }
+    EXPECT_EQ(sink.echoed - echoed_before, kBurst);
+    EXPECT_EQ(server->stats().send_doorbells - before, uint64_t{1}) << "the answers were written one by one";
+    server->Close();
+  }
+}
+
 // The names flags and configuration use: each mode round-trips through its
 // name, and a wrong name is refused with the choices in the message.
 TEST(TcpPollModeTest, ParsesItsOwnNamesAndRefusesOthers) {

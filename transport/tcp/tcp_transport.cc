@@ -643,7 +643,7 @@ class ConnectionCore final : public std::enable_shared_from_this<ConnectionCore>
   void OnReadable() { OnRecv(RecvNow(socket_.native_handle(), rbuf_ + rend_, kReadBuffer - rend_)); }
 
   // What recv() returned: bytes to frame, the peer's EOF, or an error.
-  void OnRecv(ssize_t n) {
+  [[gnu::always_inline]] void OnRecv(ssize_t n) {  // (its two callers: one call a read)
     if (n <= 0) {
       if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)) return ReadLoop();  // spurious
       return OnReadError(n == 0 ? error_code(asio::error::eof) : error_code(errno, boost::system::system_category()));
@@ -651,10 +651,39 @@ class ConnectionCore final : public std::enable_shared_from_this<ConnectionCore>
     rend_ += static_cast<size_t>(n);
     in_io_handler_ = true;
     in_read_handler_ = true;
-    ReadLoop();
+    // Two frames or more in this read: what the consumer sends while it
+    // takes them (a server's answers) leaves in one sendmsg() at the end, as
+    // RDMA's completion batches post one chain. One frame (one call in
+    // flight) is not held: SendOne's single send() is cheaper, and this
+    // function stays small enough to inline (the held loop out of line).
+    if (SeveralFramesBuffered()) {
+      ReadLoopHeld();
+    } else {
+      ReadLoop();
+    }
     in_io_handler_ = false;
     in_read_handler_ = false;
     if (HasWritten()) CompleteWritten();
+  }
+
+  // ReadLoop with sends held, released however it ends (a sink or handler
+  // may throw out of it).
+  [[gnu::noinline]] void ReadLoopHeld() {
+    struct Hold {
+      explicit Hold(ConnectionCore& c) : core(c) { core.HoldSends(); }
+      ~Hold() { core.ReleaseSends(); }
+      Hold(const Hold&) = delete;
+      Hold& operator=(const Hold&) = delete;
+      ConnectionCore& core;
+    } hold(*this);
+    ReadLoop();
+  }
+
+  // Whether the read buffer holds more than its first frame (most often a
+  // second whole one; a partial one is held for nothing, at no harm).
+  bool SeveralFramesBuffered() const {
+    const size_t avail = rend_ - rpos_;
+    return avail > kHeaderBytes && avail > kHeaderBytes + size_t{DecodeLength(rbuf_ + rpos_)};
   }
 
   void ReadLarge(uint32_t size) {
