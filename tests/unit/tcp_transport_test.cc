@@ -1017,7 +1017,9 @@ struct PingPong {
   int measured = 0;
   int round_trips = 0;
   std::string failure;
-  std::array<std::byte, 64> payload{};
+  // 64 bytes a message, or 64 and `large` in turn.
+  size_t large = 0;
+  std::vector<std::byte> payload = std::vector<std::byte>(64);
   std::function<void()> on_done;
   HandlerArena arena;
 
@@ -1061,6 +1063,7 @@ struct PingPong {
       on_done();
       return;
     }
+    payload.resize(large != 0 && round_trips % 2 == 1 ? large : 64);
     payload[0] = static_cast<std::byte>(round_trips);
     absl::StatusOr<SendBuffer> request = client->Prepare(payload.size());
     if (!request.ok()) return Fail(absl::StrCat("client prepare: ", request.status().ToString()));
@@ -1091,7 +1094,7 @@ struct AllocationCount {
 class TcpAllocationTest : public TcpTransportTest {
  protected:
   template <bool kArena>
-  AllocationCount Measure() {
+  AllocationCount Measure(size_t large = 0) {
     auto listener = MustListen();
     EXPECT_NE(listener, nullptr);
     if (listener == nullptr) return {};
@@ -1104,6 +1107,7 @@ class TcpAllocationTest : public TcpTransportTest {
     p.server = server.get();
     p.warmup = 1000;
     p.measured = 10'000;
+    p.large = large;
     // Driven by one io_context::run(), as an application would: Asio's
     // per-thread recycling cache lives as long as the run() call (RunUntil's
     // run_one_for() would start every handler with a cold cache).
@@ -1160,6 +1164,21 @@ TEST_F(TcpAllocationTest, SteadyStateRoundTripsAllocateOnlyInAsiosRecyclingCache
   RecordProperty("malloc_per_message_x100", static_cast<int>(count.malloc_per_message() * 100));
   EXPECT_EQ(count.new_calls, 0u) << "operator new on the steady path";
   EXPECT_LE(count.malloc_calls, 2u * count.messages) << "malloc beyond Asio's recycling-cache misses";
+#endif
+}
+
+// Small and large messages in turn each find a kept buffer of their size
+// (the pool keeps one free list per power-of-two size): steady mixed-size
+// traffic allocates nothing. (A buffer filed under the wrong size allocated
+// one buffer a message here.)
+TEST_F(TcpAllocationTest, SmallAndLargeMessagesInTurnAllocateNothing) {
+#if !RDMARPC_COUNT_ALLOCATIONS
+  GTEST_SKIP() << "allocation counting is off under sanitizers";
+#else
+  AllocationCount count = Measure<true>(20'000);
+  ASSERT_GT(count.messages, 0);
+  EXPECT_EQ(count.malloc_calls, 0u);
+  EXPECT_EQ(count.new_calls, 0u);
 #endif
 }
 
