@@ -131,8 +131,9 @@ struct ConnectionStats {
   uint64_t wr_completed = 0;
   // Kicks of the sending side: RDMA, ibv_post_send calls (each one doorbell;
   // one system call on Soft-RoCE); TCP, writes started (send()/sendmsg()
-  // calls, and the reactor's write of a remainder counted once). The sends of
-  // a completion batch (RDMA) and of a SendBatch (both) share one.
+  // calls, and the reactor's write of a remainder counted once). What is sent
+  // while a batch of messages is delivered (an RDMA completion batch, a TCP
+  // read of several frames) and under a SendBatch shares one.
   uint64_t send_doorbells = 0;
   // SENDs posted unsignalled (no completion of their own): inline SendUntracked()
   // messages sent while a completion batch is handled (docs/transport.md,
@@ -254,8 +255,8 @@ class Connection {
   // together at the release: over RDMA as one chain of SENDs (one
   // ibv_post_send: one doorbell, on Soft-RoCE one system call), over TCP in
   // one sendmsg(), instead of one each. For a burst started outside the
-  // transport's own handlers (RDMA batches what its completion handlers send
-  // by itself). Held sends still wait for credits and send-queue room as
+  // transport's own handlers (both batch by themselves what is sent while
+  // they deliver several messages at once). Held sends still wait for credits and send-queue room as
   // always; a send that needs a one-sided operation (a rendezvous WRITE)
   // posts what is held first, so order is kept. Nestable; the connection's
   // executor only; a release without a hold is ignored. Use SendBatch.
