@@ -245,7 +245,7 @@ constexpr StatField kStatFields[] = {
     {"wr_posted", &transport::ConnectionStats::wr_posted, false, "RDMA work requests posted (0 for tcp)."},
     {"wr_completed", &transport::ConnectionStats::wr_completed, false, "RDMA work completions polled: one per receive and per signalled send-queue WR (unsignalled SENDs and WRITE chunks have none)."},
     {"send_doorbells", &transport::ConnectionStats::send_doorbells, false,
-     "RDMA send queue doorbells (ibv_post_send calls; SENDs posted in one completion batch share one)."},
+     "Send kicks: RDMA send queue doorbells (ibv_post_send calls), TCP writes started (send/sendmsg); the sends of one completion batch, one multi-frame read or one SendBatch share one."},
     {"sends_unsignaled", &transport::ConnectionStats::sends_unsignaled, false,
      "RDMA SENDs posted without a completion of their own (inline, untracked, inside a completion batch)."},
     {"eager_bytes", &transport::ConnectionStats::eager_bytes, false, "Bytes sent eagerly (SEND)."},
