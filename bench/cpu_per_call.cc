@@ -98,6 +98,9 @@ struct Options {
   // inside a Channel::Batch (one doorbell / one sendmsg for the burst).
   bool burst = false;
   bool batch = false;
+  // rdma: RdmaOptions::recv_repost_batch (0: the default, recv_depth / 8;
+  // 1: every receive reposted alone), for an A/B in one boot.
+  int repost_batch = 0;
 };
 
 [[noreturn]] void Usage(const std::string& why) {
@@ -108,6 +111,7 @@ struct Options {
                "                    [--poll=event|adaptive|busy] [--rtc]   (poll mode; rdma: run to completion)\n"
                "                    [--handler=coroutine|inline]   (the server's echo: coroutine, or inline fast path)\n"
                "                    [--io-hint=1|unsafe-io]   (tcp: the io_context's concurrency hint)\n"
+               "                    [--recv-repost-batch=0..16]   (rdma: RdmaOptions::recv_repost_batch; 1: each alone)\n"
                "                    [--burst=posted|batch]   (bursts of --concurrency calls started from a posted\n"
                "                     task, one by one or in a Channel::Batch, instead of a closed loop; tcp, rdma)\n\n"
                "Unary echo, client and server in this process. Prints heap allocations per call and,\n"
@@ -155,6 +159,9 @@ Options Parse(int argc, char** argv) {
       if (val != "posted" && val != "batch") Usage("--burst takes posted or batch (got " + val + ")");
       o.burst = true;
       o.batch = val == "batch";
+    } else if (key == "recv-repost-batch") {
+      if (!absl::SimpleAtoi(val, &o.repost_batch) || o.repost_batch < 0 || o.repost_batch > 16)
+        Usage("--recv-repost-batch takes 0..16 (0: recv_depth / 8, 1: each receive alone)");
     } else if (key == "handler") {
       if (val != "coroutine" && val != "inline") Usage("--handler takes coroutine or inline (got " + val + ")");
       o.inline_handler = val == "inline";
@@ -252,6 +259,7 @@ absl::StatusOr<Phase> RunRdmarpc(const Options& o, const std::string& transport)
     topts.rdma_context = *c;
     topts.rdma.poll_mode = o.poll;
     topts.rdma.run_to_completion = o.rtc;
+    topts.rdma.recv_repost_batch = static_cast<uint16_t>(o.repost_batch);
     host = o.ip;
   } else {
     topts.tcp.poll_mode = *transport::tcp::ParsePollMode(rdma::PollModeName(o.poll));  // same three names
@@ -454,6 +462,7 @@ absl::StatusOr<CountRow> RunUnderCallgrind(const Options& o, const std::string& 
   if (o.rtc) args.push_back("--rtc");
   if (o.inline_handler) args.push_back("--handler=inline");
   if (o.unsafe_io) args.push_back("--io-hint=unsafe-io");
+  if (o.repost_batch != 0) args.push_back(absl::StrCat("--recv-repost-batch=", o.repost_batch));
   if (o.burst) args.push_back(o.batch ? "--burst=batch" : "--burst=posted");
   if (!o.ip.empty()) args.push_back(absl::StrCat("--ip=", o.ip));
   int pipefd[2];

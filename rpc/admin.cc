@@ -246,6 +246,8 @@ constexpr StatField kStatFields[] = {
     {"wr_completed", &transport::ConnectionStats::wr_completed, false, "RDMA work completions polled: one per receive and per signalled send-queue WR (unsignalled SENDs and WRITE chunks have none)."},
     {"send_doorbells", &transport::ConnectionStats::send_doorbells, false,
      "Send kicks: RDMA send queue doorbells (ibv_post_send calls), TCP writes started (send/sendmsg); the sends of one completion batch, one multi-frame read or one SendBatch share one."},
+    {"recv_doorbells", &transport::ConnectionStats::recv_doorbells, false,
+     "RDMA ibv_post_recv calls (0 for tcp); receives given back by the application go in chains, so fewer than the receives posted."},
     {"sends_unsignaled", &transport::ConnectionStats::sends_unsignaled, false,
      "RDMA SENDs posted without a completion of their own (inline, untracked, inside a completion batch)."},
     {"eager_bytes", &transport::ConnectionStats::eager_bytes, false, "Bytes sent eagerly (SEND)."},

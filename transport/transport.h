@@ -135,6 +135,10 @@ struct ConnectionStats {
   // while a batch of messages is delivered (an RDMA completion batch, a TCP
   // read of several frames) and under a SendBatch shares one.
   uint64_t send_doorbells = 0;
+  // RDMA only: ibv_post_recv calls. Receives given back when messages are
+  // dropped go in chains (RdmaOptions::recv_repost_batch), so this is below
+  // the RECVs posted.
+  uint64_t recv_doorbells = 0;
   // SENDs posted unsignalled (no completion of their own): inline SendUntracked()
   // messages sent while a completion batch is handled (docs/transport.md,
   // "Selective signalling").

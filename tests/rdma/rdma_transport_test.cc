@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 
 #include "tests/support/rdma_env.h"
@@ -715,6 +716,159 @@ TEST(RdmaTransportSignalling, UntrackedAnswersFromTheSinkGoUnsignalledAndRendezv
     p.client->Close();
     p.server->Close();
   }
+}
+
+// Receives go back in batches (RdmaOptions::recv_repost_batch). A receiver
+// that drops each message as it comes reposts their RECVs in chains, one
+// ibv_post_recv per batch; and one that holds the message which took the
+// sender's last credit still gets every message its drops made room for: the
+// RECVs waiting for a batch are posted as soon as the peer may be out of
+// credits, not when the batch fills.
+struct HoldingReceiver {
+  Connection* conn = nullptr;
+  std::vector<Message> held;
+  uint64_t received = 0;
+  absl::Status error;
+  std::function<void(HoldingReceiver&)> after_each;  // what to drop, if anything
+  void Next() {
+    conn->Receive([this](absl::StatusOr<Message> m) {
+      if (!m.ok()) {
+        if (m.status().code() != absl::StatusCode::kCancelled) error = m.status();
+        return;
+      }
+      ++received;
+      held.push_back(std::move(*m));
+      if (after_each) after_each(*this);
+      Next();
+    });
+  }
+};
+
+absl::Status SendSmall(Connection& c, uint64_t seq, absl::Status& error) {
+  auto buf = c.Prepare(64);
+  if (!buf.ok()) return buf.status();
+  std::memset(buf->data().data(), 0x3c, 64);
+  std::memcpy(buf->data().data(), &seq, sizeof seq);
+  c.Send(std::move(*buf), [&error](absl::Status st) {
+    if (!st.ok() && st.code() != absl::StatusCode::kCancelled) error = st;
+  });
+  return absl::OkStatus();
+}
+
+TEST(RdmaTransportReceives, DroppedMessagesGoBackInChainsOfTheRepostBatch) {
+  for (bool rtc : {false, true}) {
+    for (uint16_t batch : {uint16_t{0}, uint16_t{1}}) {
+      SCOPED_TRACE(absl::StrCat(rtc ? "busy, run to completion" : "event", ", recv_repost_batch ", batch));
+      auto ctx = OpenContext();
+      ASSERT_TRUE(ctx);
+      asio::io_context io;
+      RdmaOptions opt = ExecutorPollingOptions(rtc);
+      opt.recv_depth = 32;  // batch 0 picks 32 / 8 = 4
+      opt.recv_repost_batch = batch;
+      Pair p = ConnectPair(io, ctx, opt);
+      ASSERT_TRUE(p.client && p.server);
+      HoldingReceiver server;
+      server.conn = p.server.get();
+      server.after_each = [](HoldingReceiver& r) { r.held.clear(); };  // drop each at once
+      server.Next();
+      const auto before = p.server->stats();
+      constexpr uint64_t kMessages = 64;
+      absl::Status send_error;
+      // One at a time: the sender never runs out of credits, so only the
+      // batch decides when RECVs go back.
+      for (uint64_t i = 0; i < kMessages; ++i) {
+        ASSERT_TRUE(SendSmall(*p.client, i, send_error).ok());
+        const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(30);
+        while (server.received <= i && server.error.ok() && std::chrono::steady_clock::now() < deadline)
+          io.run_one_for(std::chrono::milliseconds(10));
+      }
+      ASSERT_EQ(server.received, kMessages);
+      EXPECT_TRUE(server.error.ok()) << server.error;
+      EXPECT_TRUE(send_error.ok()) << send_error;
+      const auto after = p.server->stats();
+      const uint64_t calls = after.recv_doorbells - before.recv_doorbells;
+      // wr_posted counts the SENDs of the server's CREDIT frames too.
+      const uint64_t posted = after.wr_posted - before.wr_posted - (after.credit_frames_sent - before.credit_frames_sent);
+      if (batch == 1) {
+        EXPECT_EQ(calls, kMessages) << "recv_repost_batch 1 posts each receive alone";
+        EXPECT_EQ(posted, kMessages);
+      } else {
+        EXPECT_EQ(calls, kMessages / 4) << "64 drops in chains of 4";
+        EXPECT_EQ(posted, kMessages) << "a receive was not given back";
+      }
+      EXPECT_EQ(after.rnr_errors + after.wc_errors + p.client->stats().wc_errors, 0u);
+      p.client->Close();
+      p.server->Close();
+      io.run_for(std::chrono::milliseconds(50));
+    }
+  }
+}
+
+TEST(RdmaTransportReceives, AReceiverHoldingTheLastCreditsMessageStillGetsWhatItsDropsMadeRoomFor) {
+  for (bool rtc : {false, true}) {
+    SCOPED_TRACE(rtc ? "busy, run to completion" : "event");
+    auto ctx = OpenContext();
+    ASSERT_TRUE(ctx);
+    asio::io_context io;
+    RdmaOptions opt = ExecutorPollingOptions(rtc);
+    constexpr uint16_t kDepth = 32;  // repost batch 4
+    opt.recv_depth = kDepth;
+    Pair p = ConnectPair(io, ctx, opt);
+    ASSERT_TRUE(p.client && p.server);
+    // Holds every message; once the sender's first kDepth credits have all
+    // arrived, drops all but the last of them and holds everything after.
+    // The sender then has kDepth - 1 credits more, so exactly 2 * kDepth - 1
+    // messages can arrive: no more (nothing is sent without a RECV), and no
+    // fewer (RECVs left waiting for a batch would be credits never returned).
+    HoldingReceiver server;
+    server.conn = p.server.get();
+    server.after_each = [](HoldingReceiver& r) {
+      if (r.received == kDepth) r.held.erase(r.held.begin(), r.held.end() - 1);
+    };
+    server.Next();
+    constexpr uint64_t kQueued = 2 * kDepth + 8;
+    absl::Status send_error;
+    for (uint64_t i = 0; i < kQueued; ++i) ASSERT_TRUE(SendSmall(*p.client, i, send_error).ok());
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(30);
+    while (server.received < 2 * kDepth - 1 && server.error.ok() && std::chrono::steady_clock::now() < deadline)
+      io.run_one_for(std::chrono::milliseconds(10));
+    io.run_for(std::chrono::milliseconds(300));  // room for a message that should not come
+    EXPECT_EQ(server.received, 2u * kDepth - 1) << SummarizeStats(p.server->stats());
+    EXPECT_TRUE(server.error.ok()) << server.error;
+    EXPECT_TRUE(send_error.ok()) << send_error;
+    bool in_order = true;
+    for (size_t i = 0; i < server.held.size(); ++i) {
+      uint64_t seq = 0;
+      std::memcpy(&seq, server.held[i].data().data(), sizeof seq);
+      in_order = in_order && seq == kDepth - 1 + i;
+    }
+    EXPECT_TRUE(in_order);
+    EXPECT_EQ(p.server->stats().rnr_errors + p.client->stats().rnr_errors, 0u);
+    server.held.clear();
+    p.client->Close();
+    p.server->Close();
+    io.run_for(std::chrono::milliseconds(50));
+  }
+}
+
+TEST(RdmaTransportReceives, ARepostBatchAboveSixteenIsRefusedWithTheRange) {
+  auto ctx = OpenContext();
+  ASSERT_TRUE(ctx);
+  asio::io_context io;
+  auto listener = Listen(io.get_executor(), ctx, testing::TestIp(), 0, RdmaOptions{});
+  ASSERT_TRUE(listener.ok()) << listener.status();
+  const std::string uri = (*listener)->local_uri();
+  RdmaOptions bad;
+  bad.recv_repost_batch = 17;
+  absl::Status st = absl::UnknownError("pending");
+  Connect(io.get_executor(), ctx, testing::TestIp(), static_cast<uint16_t>(std::stoi(uri.substr(uri.rfind(':') + 1))),
+          bad, [&](absl::StatusOr<std::unique_ptr<Connection>> c) { st = c.status(); });
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+  while (st.code() == absl::StatusCode::kUnknown && std::chrono::steady_clock::now() < deadline)
+    io.run_one_for(std::chrono::milliseconds(50));
+  EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << st;
+  EXPECT_NE(st.message().find("recv_repost_batch 17 is above 16"), std::string::npos) << st;
+  (*listener)->Close();
 }
 
 TEST(RdmaTransportPollers, RunToCompletionWithSharedPollersIsRefused) {

@@ -94,7 +94,7 @@ class CreditLedger {
     if (peer_data_estimate_ > 0) --peer_data_estimate_;
   }
   // We reposted a RECV that a frame of `kind` consumed.
-  void OnReposted(Kind kind) { kind == Kind::kCtrl ? ++owed_ctrl_ : ++owed_data_; }
+  void OnReposted(Kind kind, uint32_t count = 1) { (kind == Kind::kCtrl ? owed_ctrl_ : owed_data_) += count; }
 
   // What to piggyback on the frame being sent now; clears what is owed.
   struct Owed {

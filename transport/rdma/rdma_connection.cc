@@ -175,6 +175,13 @@ class RdmaConnectionImpl final : public std::enable_shared_from_this<RdmaConnect
       return absl::InvalidArgumentError("RdmaOptions: recv_depth >= 2, ctrl_depth >= 3, send_depth >= 2");
     if (opt_.eager_limit > (size_t{1} << 30))
       return absl::InvalidArgumentError("RdmaOptions: eager_limit above 1 GiB");
+    if (opt_.recv_repost_batch > kMaxRepostBatch)
+      return absl::InvalidArgumentError(absl::StrCat("RdmaOptions: recv_repost_batch ", opt_.recv_repost_batch,
+                                                     " is above ", kMaxRepostBatch,
+                                                     " (0 picks recv_depth / 8; 1 reposts each receive at once)"));
+    repost_batch_ = opt_.recv_repost_batch != 0
+                        ? std::min<uint32_t>(opt_.recv_repost_batch, opt_.recv_depth)
+                        : std::clamp<uint32_t>(opt_.recv_depth / 8, 1, kMaxRepostBatch);
     // One SEND carries an eager message: the device's largest message
     // (max_msg_sz; rxe: 8 MiB) bounds it. Past it a NIC that enforces its
     // limit fails the WR and with it the connection.
@@ -538,15 +545,9 @@ class RdmaConnectionImpl final : public std::enable_shared_from_this<RdmaConnect
         break;
       case kTokRecvSlot:
         if (error_.ok() && !StalledForTest()) {
-          if (auto st = PostRecv(static_cast<uint32_t>(index)); !st.ok()) {
-            Fail(st);
-            return;
-          }
-          ledger_->OnReposted(CreditLedger::Kind::kData);
-          // A RECV back is a credit owed: all it can change is whether a
-          // CREDIT frame should go. Queued frames wait for the peer's
-          // credits, send queue room or a drain, none of which this gives.
-          MaybeReturnCredits();
+          // Back to the receive queue with the next ones (FlushReposts).
+          repost_[repost_n_++] = static_cast<uint32_t>(index);
+          if (repost_n_ >= repost_batch_ || ledger_->peer_data_estimate() == 0) FlushReposts();
         }
         break;
     }
@@ -748,7 +749,51 @@ class RdmaConnectionImpl final : public std::enable_shared_from_this<RdmaConnect
     ibv_recv_wr* bad = nullptr;
     if (int rc = ibv_post_recv(ep_->qp(), &wr, &bad); rc != 0) return ErrnoStatus(rc, "ibv_post_recv");
     ++stats_.wr_posted;
+    ++stats_.recv_doorbells;
     return absl::OkStatus();
+  }
+
+  // Batched reposts. A DATA frame's RECV comes back when the application
+  // drops its message (Release); it waits in repost_ until repost_batch_ of
+  // them go in one ibv_post_recv chain: on Soft-RoCE ~120 instructions a
+  // call, most of it per call rather than per WR, and on a NIC one doorbell
+  // record write for the chain. The credit is owed (ledger OnReposted) only
+  // once the RECV is posted, so the peer is never promised a RECV that is
+  // not there. Liveness: a waiting RECV may be the credit a blocked peer
+  // needs. The peer holds at most peer_data_estimate() data credits (our
+  // count: granted minus DATA/RTS frames arrived), so while that is above 0
+  // it can still send, and a frame arrives; nothing waits once it is 0:
+  // both the release that finds it 0 and the arrival that makes it 0 flush
+  // (OnRecv), and the flush's MaybeReturnCredits sends the CREDIT frame
+  // (credits.h rule (d)).
+  static constexpr uint32_t kMaxRepostBatch = 16;
+  [[gnu::noinline]] void FlushReposts() {
+    const uint32_t n = std::exchange(repost_n_, 0);
+    if (n == 0 || !error_.ok()) return;
+    ibv_sge sges[kMaxRepostBatch];
+    ibv_recv_wr wrs[kMaxRepostBatch];
+    for (uint32_t i = 0; i < n; ++i) {
+      sges[i] = {reinterpret_cast<uint64_t>(RecvSlot(repost_[i])), static_cast<uint32_t>(slot_bytes_),
+                 slots_mr_->lkey};
+      wrs[i].wr_id = MakeWrId(kWrRecv, 0, repost_[i]);
+      wrs[i].next = i + 1 < n ? &wrs[i + 1] : nullptr;
+      wrs[i].sg_list = &sges[i];
+      wrs[i].num_sge = 1;
+    }
+    ibv_recv_wr* bad = nullptr;
+    if (int rc = ibv_post_recv(ep_->qp(), wrs, &bad); rc != 0) return Fail(ErrnoStatus(rc, "ibv_post_recv"));
+    stats_.wr_posted += n;
+    ++stats_.recv_doorbells;
+    ledger_->OnReposted(CreditLedger::Kind::kData, n);
+    // RECVs back are credits owed: all they can change is whether a CREDIT
+    // frame should go. Queued frames wait for the peer's credits, send queue
+    // room or a drain, none of which this gives.
+    MaybeReturnCredits();
+  }
+  // After a DATA or RTS frame arrived: the flush liveness needs (above).
+  void FlushRepostsIfPeerMayBeBlocked() {
+    if (repost_n_ != 0 && ledger_->peer_data_estimate() == 0) [[unlikely]]
+      FlushReposts();
   }
 
   // Doorbell batching. While a completion batch is handled (OnCompletions),
@@ -1180,6 +1225,7 @@ class RdmaConnectionImpl final : public std::enable_shared_from_this<RdmaConnect
         break;
       case wire::Type::kData:
         ledger_->OnDataFrameArrived();
+        FlushRepostsIfPeerMayBeBlocked();
         ++stats_.messages_received;
         stats_.bytes_received += h.length;
         if (sink_ != nullptr && in_completions_ && ready_.empty()) {
@@ -1193,6 +1239,7 @@ class RdmaConnectionImpl final : public std::enable_shared_from_this<RdmaConnect
         break;
       case wire::Type::kRts:
         ledger_->OnDataFrameArrived();
+        FlushRepostsIfPeerMayBeBlocked();
         RepostAfterControl(slot, CreditLedger::Kind::kData);
         OnRts(h);
         break;
@@ -1769,6 +1816,10 @@ class RdmaConnectionImpl final : public std::enable_shared_from_this<RdmaConnect
   uint32_t sq_used_ = 0;
   bool waiting_for_credit_ = false;
   SlotStack free_send_slots_;
+  // Batched reposts (FlushReposts): receive slots given back, not posted yet.
+  uint32_t repost_batch_ = 1;
+  uint32_t repost_n_ = 0;
+  uint32_t repost_[kMaxRepostBatch];
   // PostSendWr's one SEND posted at once: a work request of ~130 bytes, not
   // zeroed again for each post. (Providers read a posted WR, never write it.)
   ibv_send_wr single_send_wr_{};

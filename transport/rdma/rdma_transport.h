@@ -78,6 +78,13 @@ struct RdmaOptions {
   // slots = 256 KiB registered per connection, enough to cover the
   // bandwidth-delay product of 100 Gb/s x 20 us.
   uint16_t recv_depth = 64;
+  // RECVs of data frames given back (the application dropped the message)
+  // are posted in chains of this many, one ibv_post_recv each, instead of
+  // one call each (docs/transport.md, "Receives go back in batches"): 0
+  // picks recv_depth / 8, at most 16; 1 posts each one at once. The peer is
+  // told of a RECV only once it is posted, and none waits while the peer may
+  // be out of credits by our count, so a batch never stalls a sender.
+  uint16_t recv_repost_batch = 0;
   // RECVs for rendezvous (CTS, WRITE_WITH_IMM) and CREDIT frames, which the
   // transport reposts on arrival (credits.h); at least 3. 8 lets 6 large
   // messages be in their CTS/WRITE phase at once, with two credits kept for
