@@ -559,12 +559,21 @@ RdmaOptions ExecutorPollingOptions(bool rtc) {
   return opt;
 }
 
-TEST(RdmaTransportDoorbells, ResponsesToABatchOfMessagesShareADoorbell) {
+// Runs `body(io, ctx, rtc)` in event mode and then busy with run to completion
+// (ExecutorPollingOptions(rtc)), each with an io_context of its own.
+template <typename Body>
+void InEventAndRunToCompletion(Body body) {
   for (bool rtc : {false, true}) {
     SCOPED_TRACE(rtc ? "busy, run to completion" : "event");
     auto ctx = OpenContext();
     ASSERT_TRUE(ctx);
     asio::io_context io;
+    body(io, ctx, rtc);
+  }
+}
+
+TEST(RdmaTransportDoorbells, ResponsesToABatchOfMessagesShareADoorbell) {
+  InEventAndRunToCompletion([](asio::io_context& io, const std::shared_ptr<RdmaContext>& ctx, bool rtc) {
     Pair p = ConnectPair(io, ctx, ExecutorPollingOptions(rtc));
     ASSERT_TRUE(p.client && p.server);
     EchoSink echo;
@@ -611,7 +620,7 @@ TEST(RdmaTransportDoorbells, ResponsesToABatchOfMessagesShareADoorbell) {
                 static_cast<unsigned long>(cs.send_doorbells));
     p.client->Close();
     p.server->Close();
-  }
+  });
 }
 
 // Selective signalling (docs/transport.md): a ping-pong whose every message
@@ -648,11 +657,7 @@ struct PingPongSink final : transport::MessageSink {
 };
 
 TEST(RdmaTransportSignalling, UntrackedAnswersFromTheSinkGoUnsignalledAndRendezvousStillDrains) {
-  for (bool rtc : {false, true}) {
-    SCOPED_TRACE(rtc ? "busy, run to completion" : "event");
-    auto ctx = OpenContext();
-    ASSERT_TRUE(ctx);
-    asio::io_context io;
+  InEventAndRunToCompletion([](asio::io_context& io, const std::shared_ptr<RdmaContext>& ctx, bool rtc) {
     RdmaOptions opt = ExecutorPollingOptions(rtc);
     opt.grant_windows = true;
     Pair p = ConnectPair(io, ctx, opt);
@@ -715,7 +720,7 @@ TEST(RdmaTransportSignalling, UntrackedAnswersFromTheSinkGoUnsignalledAndRendezv
     EXPECT_TRUE(server.error.ok()) << server.error;
     p.client->Close();
     p.server->Close();
-  }
+  });
 }
 
 // Receives go back in batches (RdmaOptions::recv_repost_batch). A receiver
@@ -805,11 +810,7 @@ TEST(RdmaTransportReceives, DroppedMessagesGoBackInChainsOfTheRepostBatch) {
 }
 
 TEST(RdmaTransportReceives, AReceiverHoldingTheLastCreditsMessageStillGetsWhatItsDropsMadeRoomFor) {
-  for (bool rtc : {false, true}) {
-    SCOPED_TRACE(rtc ? "busy, run to completion" : "event");
-    auto ctx = OpenContext();
-    ASSERT_TRUE(ctx);
-    asio::io_context io;
+  InEventAndRunToCompletion([](asio::io_context& io, const std::shared_ptr<RdmaContext>& ctx, bool rtc) {
     RdmaOptions opt = ExecutorPollingOptions(rtc);
     constexpr uint16_t kDepth = 32;  // repost batch 4
     opt.recv_depth = kDepth;
@@ -848,7 +849,7 @@ TEST(RdmaTransportReceives, AReceiverHoldingTheLastCreditsMessageStillGetsWhatIt
     p.client->Close();
     p.server->Close();
     io.run_for(std::chrono::milliseconds(50));
-  }
+  });
 }
 
 TEST(RdmaTransportReceives, ARepostBatchAboveSixteenIsRefusedWithTheRange) {
