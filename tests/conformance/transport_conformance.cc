@@ -236,6 +236,15 @@ absl::StatusOr<TransportConformance::Pair> TransportConformance::ConnectPair() {
   return pair;
 }
 
+std::unique_ptr<Connection> TransportConformance::TakeConnection(Connection* connection) {
+  auto it = std::find_if(connections_.begin(), connections_.end(),
+                         [connection](const std::unique_ptr<Connection>& c) { return c.get() == connection; });
+  if (it == connections_.end()) return nullptr;
+  std::unique_ptr<Connection> taken = std::move(*it);
+  connections_.erase(it);
+  return taken;
+}
+
 TransportConformance::AuthOutcome TransportConformance::ConnectWithTokens(const std::string& server_token,
                                                                          const std::string& client_token) {
   AuthOutcome out;
@@ -701,6 +710,85 @@ TEST_P(TransportConformance, SinkThatClosesTheConnectionHearsNothingMore) {
   RunFor(std::chrono::milliseconds(200));
   EXPECT_EQ(sink.messages.size(), 3u) << "messages after Close() from inside the sink";
   EXPECT_TRUE(sink.errors.empty()) << "OnConnectionError after the consumer's own Close(): " << sink.errors[0];
+}
+
+// A consumer may destroy its connection from inside the sink, while more
+// messages of the same arrival wait behind the one in hand (a server dropping
+// a peer that broke its protocol). Nothing more reaches the sink, no error
+// either, the destroyed connection is not touched again (the sanitizer build
+// runs this), and the peer hears it leave.
+TEST_P(TransportConformance, SinkThatDestroysItsConnectionHearsNothingMoreAndThePeerHearsItLeave) {
+  auto pair = ConnectPair();
+  ASSERT_TRUE(pair.ok()) << pair.status();
+  Connection& client = *pair->client;
+  std::unique_ptr<Connection> server = TakeConnection(pair->server);
+  ASSERT_NE(server, nullptr);
+  RecordingSink sink;
+  sink.on_message = [&server, &sink](transport::Message& m) {
+    if (sink.messages.size() != 3) return;
+    m.Reset();  // messages go back before their connection does
+    server.reset();
+  };
+  ASSERT_TRUE(server->SetSink(&sink));
+  sink.set_returned = true;
+  for (int i = 0; i < 20; ++i) {
+    std::vector<std::byte> bytes = Payload(45, i, 16);
+    client.async_send(std::span<const std::byte>(bytes), [](absl::Status) {});
+  }
+  ASSERT_TRUE(RunUntil([&] { return server == nullptr; })) << sink.messages.size() << " messages";
+  auto gone = ReceiveAndWait(client);
+  EXPECT_FALSE(gone.ok()) << "the peer of a destroyed connection received a message";
+  EXPECT_NE(gone.status().code(), absl::StatusCode::kDeadlineExceeded) << "the peer never heard it leave";
+  RunFor(std::chrono::milliseconds(100));
+  EXPECT_EQ(sink.messages.size(), 3u) << "messages after the connection was destroyed from inside the sink";
+  EXPECT_TRUE(sink.errors.empty()) << "OnConnectionError after the consumer destroyed its connection";
+  for (int i = 0; i < 3; ++i)
+    EXPECT_EQ(CheckPayload(sink.messages[i], 45, static_cast<uint64_t>(i), 16), "") << "message " << i;
+}
+
+// The same from a receive handler, with two more receives waiting behind it:
+// each completes once, after the handler returned, with the next message in
+// order if it had one already or else an error; the peer hears it leave.
+TEST_P(TransportConformance, ReceiveHandlerThatDestroysItsConnectionLeavesTheOtherReceivesFailedOnce) {
+  auto pair = ConnectPair();
+  ASSERT_TRUE(pair.ok()) << pair.status();
+  Connection& client = *pair->client;
+  std::unique_ptr<Connection> server = TakeConnection(pair->server);
+  ASSERT_NE(server, nullptr);
+  std::vector<absl::Status> results;
+  std::vector<std::string> payload_errors;
+  bool in_first = false, ran_inside_first = false;
+  server->async_receive([&](absl::StatusOr<Message> m) {
+    results.push_back(m.status());
+    if (m.ok()) {
+      payload_errors.push_back(CheckPayload(m->data(), 46, 0, 24));
+      m->Reset();
+    }
+    in_first = true;
+    server.reset();
+    in_first = false;
+  });
+  for (int i = 0; i < 2; ++i)
+    server->async_receive([&](absl::StatusOr<Message> m) {
+      ran_inside_first |= in_first;
+      if (m.ok()) payload_errors.push_back(CheckPayload(m->data(), 46, results.size(), 24));
+      results.push_back(m.status());
+    });
+  for (int i = 0; i < 5; ++i) {
+    std::vector<std::byte> bytes = Payload(46, i, 24);
+    client.async_send(std::span<const std::byte>(bytes), [](absl::Status) {});
+  }
+  ASSERT_TRUE(RunUntil([&] { return results.size() >= 3; })) << results.size() << " receives completed";
+  RunFor(std::chrono::milliseconds(100));
+  ASSERT_EQ(results.size(), 3u);
+  EXPECT_TRUE(results[0].ok()) << results[0];
+  // Once one has failed, none after it succeeds.
+  EXPECT_FALSE(!results[1].ok() && results[2].ok()) << results[1] << " then " << results[2];
+  for (const std::string& e : payload_errors) EXPECT_EQ(e, "");
+  EXPECT_FALSE(ran_inside_first) << "a receive completed inside the handler that destroyed its connection";
+  auto gone = ReceiveAndWait(client);
+  EXPECT_FALSE(gone.ok());
+  EXPECT_NE(gone.status().code(), absl::StatusCode::kDeadlineExceeded) << "the peer never heard it leave";
 }
 
 // ---- 3c. handlers that throw --------------------------------------------------------

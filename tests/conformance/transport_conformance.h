@@ -90,6 +90,9 @@ class TransportConformance : public ::testing::TestWithParam<TransportUnderTest>
   // Accepts one connection while connecting to the listener. The fixture owns
   // both connections; TearDown closes them and lets their handlers run.
   absl::StatusOr<Pair> ConnectPair();
+  // Hands one of the fixture's connections to the test, which then decides
+  // when it is destroyed (from inside its own handlers, say).
+  std::unique_ptr<transport::Connection> TakeConnection(transport::Connection* connection);
   // Replaces listener_ with one that requires `server_token` and connects to
   // it with `client_token`; waits for both the connect and the accept.
   struct AuthOutcome {
