@@ -60,8 +60,12 @@ class ClientContext {
 
   // For the runtime.
   void SetResult(Status status) { status_ = std::move(status); }
-  // Shared with the connection: no string copy per call.
-  void SetPeer(std::shared_ptr<const std::string> peer) { peer_ = std::move(peer); }
+  // Shared with the connection: no string copy per call, and no count
+  // changed when a reused context's last call went to the same connection
+  // (two atomic operations, ~25 instructions a call in bench/cpu_per_call).
+  void SetPeer(const std::shared_ptr<const std::string>& peer) {
+    if (peer_ != peer) peer_ = peer;
+  }
 
  private:
   std::optional<Clock::time_point> deadline_;
