@@ -93,10 +93,12 @@ CmChannel::CmChannel(CmEventChannelPtr channel, asio::posix::stream_descriptor f
     : channel_(std::move(channel)), fd_(std::move(fd)) {}
 
 CmChannel::~CmChannel() {
-  // The fd belongs to the event channel: take it back from Asio without closing it.
-  boost::system::error_code ignored;
-  fd_.cancel(ignored);
-  fd_.release();
+  // The fd belongs to the event channel: take it back from Asio without
+  // closing it. Detached already, there is no Asio object left to touch: the
+  // teardown thread destroys detached channels, perhaps after the io_context
+  // (whose descriptor service a cancel would read: found by ASan in the
+  // rdma conformance suite).
+  if (fd_) DetachFromReactor();
 }
 
 absl::StatusOr<std::unique_ptr<CmChannel>> CmChannel::Create(const asio::any_io_executor& ex) {
@@ -115,21 +117,25 @@ asio::awaitable<absl::StatusOr<CmEventPtr>> CmChannel::NextEvent() {
     rdma_cm_event* raw = nullptr;
     if (rdma_get_cm_event(channel_.get(), &raw) == 0) co_return CmEventPtr(raw);
     if (errno != EAGAIN && errno != EWOULDBLOCK) co_return ErrnoStatus(errno, "rdma_get_cm_event");
-    auto [ec] = co_await fd_.async_wait(asio::posix::descriptor_base::wait_read, kNoThrow);
+    if (!fd_) co_return absl::FailedPreconditionError("CM event channel already detached for teardown");
+    auto [ec] = co_await fd_->async_wait(asio::posix::descriptor_base::wait_read, kNoThrow);
     if (ec == asio::error::operation_aborted) co_return absl::CancelledError("CM event wait cancelled");
     if (ec) co_return absl::UnavailableError(absl::StrCat("CM event channel wait: ", ec.message()));
   }
 }
 
 void CmChannel::DetachFromReactor() {
+  if (!fd_) return;
   boost::system::error_code ignored;
-  fd_.cancel(ignored);
-  if (fd_.is_open()) fd_.release();
+  fd_->cancel(ignored);
+  if (fd_->is_open()) fd_->release();
+  fd_.reset();
 }
 
 void CmChannel::Cancel() {
+  if (!fd_) return;
   boost::system::error_code ignored;
-  fd_.cancel(ignored);
+  fd_->cancel(ignored);
 }
 
 // ---- CmEndpoint ------------------------------------------------------------

@@ -17,6 +17,7 @@
 #include <chrono>
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 
 #include <boost/asio/any_io_executor.hpp>
@@ -74,7 +75,9 @@ class CmChannel {
 
   rdma_event_channel* get() const { return channel_.get(); }
   // Takes the fd back from the reactor (it stays open: blocking reads become
-  // the caller's business). Executor only; no wait may be pending after.
+  // the caller's business) and lets go of the Asio object, so this channel
+  // may then be used and destroyed on any thread, after its io_context too
+  // (QpTeardown's thread). Executor only; NextEvent may not be called after.
   void DetachFromReactor();
 
   // Next event on this channel; waits in the reactor without blocking the thread.
@@ -85,7 +88,8 @@ class CmChannel {
  private:
   CmChannel(CmEventChannelPtr channel, asio::posix::stream_descriptor fd);
   CmEventChannelPtr channel_;
-  asio::posix::stream_descriptor fd_;  // Borrowed fd: released, never closed, by ~CmChannel.
+  // Borrowed fd: released, never closed, by ~CmChannel. Empty once detached.
+  std::optional<asio::posix::stream_descriptor> fd_;
 };
 
 class CmEndpoint {
