@@ -291,12 +291,16 @@ class RdmaConnectionImpl final : public std::enable_shared_from_this<RdmaConnect
     // them now, so the steady state never meets a new peak on the heap.
     transport::ReserveHandlerMemory(send_slots_ + 16);
 
-    // No reference taken per batch (a weak lock and its release cost ~70
-    // instructions a call in bench/cpu_per_call): the poller never calls the
-    // sink once Stop() returned, which ~RdmaConnectionImpl does first, and a
-    // handler that drops the last outside reference inside the batch leaves
-    // it with the batch (Retire), so `this` lives until OnBatch returns.
-    Poller::Sink sink = [this](std::span<const ibv_wc> wcs) { OnBatch(wcs); };
+    // No reference taken per batch (a weak lock and its release cost ~40
+    // instructions a call in bench/cpu_per_call). The poller never calls the
+    // sink once Stop() returned, which Fail() and ~RdmaConnectionImpl do, and
+    // from Start() until Fail() the CM watcher (WatchCm, started below) holds
+    // a reference; its end after Fail() is posted, so it spans every batch. A
+    // handler that lets go of the last outside reference inside a batch
+    // therefore never destroys `this` under OnCompletions (the conformance
+    // tests that destroy a connection from inside its sink and its receive
+    // handler check this under ASan).
+    Poller::Sink sink = [this](std::span<const ibv_wc> wcs) { OnCompletions(wcs); };
     absl::StatusOr<std::unique_ptr<Poller>> poller;
     if (opt_.shared_pollers > 0) {
       auto group = ctx_->SharedPollers(opt_);
@@ -494,13 +498,6 @@ class RdmaConnectionImpl final : public std::enable_shared_from_this<RdmaConnect
   }
 
   uint64_t frames_received() const { return stats_.frames_received; }
-
-  // The wrapper's reference, after Close(). Inside a batch (a handler or the
-  // sink dropped its connection) it is kept until the batch ends, since the
-  // batch goes on with `this`; otherwise it goes now. Executor only.
-  static void Retire(std::shared_ptr<RdmaConnectionImpl> self) {
-    if (self->in_batch_) self->retired_ = std::move(self);
-  }
 
   // Connection::HoldSends/ReleaseSends: the completion path's DoorbellHold,
   // taken by the application around a burst of its own. Executor only.
@@ -1448,22 +1445,6 @@ class RdmaConnectionImpl final : public std::enable_shared_from_this<RdmaConnect
   // ---- completions -------------------------------------------------------------
 
   // A batch of completions, in CQ order (poller.h). Executor only.
-  // The poller's sink. A reference let go meanwhile (Retire) goes when the
-  // batch is over, exception or not; nothing of `this` is touched after.
-  void OnBatch(std::span<const ibv_wc> wcs) {
-    struct EndOfBatch {
-      RdmaConnectionImpl* c;
-      ~EndOfBatch() {
-        c->in_batch_ = false;
-        std::shared_ptr<RdmaConnectionImpl> last = std::move(c->retired_);
-      }
-    };
-    assert(!in_batch_);  // the poller does not re-enter its sink
-    in_batch_ = true;
-    EndOfBatch end{this};
-    OnCompletions(wcs);
-  }
-
   void OnCompletions(std::span<const ibv_wc> wcs) {
     in_completions_ = true;
     for (const ibv_wc& wc : wcs) {
@@ -1579,8 +1560,7 @@ class RdmaConnectionImpl final : public std::enable_shared_from_this<RdmaConnect
   // call that started the operations), after the batch's bookkeeping: a
   // handler that sends, receives or closes sees a consistent connection.
   // Kept alive meanwhile (a handler may drop the last outside reference) by
-  // OnBatch, OnCompletions' only caller: the reference waits in retired_
-  // until the batch is over.
+  // the CM watcher's reference (see the poller's sink in Start()).
   void FlushCompletions() {
     if (done_sends_.empty() && done_receives_.empty() && sink_ready_.empty() && untracked_done_ == 0) return;
     while (!done_sends_.empty()) {
@@ -1797,7 +1777,14 @@ class RdmaConnectionImpl final : public std::enable_shared_from_this<RdmaConnect
     asio::co_spawn(ex_, [self = shared_from_this()]() -> asio::awaitable<void> {
       for (;;) {
         auto ev = co_await self->ep_->NextEvent();
-        if (!ev.ok()) co_return;  // Cancelled by Fail/Close.
+        if (!ev.ok()) {
+          // Cancelled by Fail/Close (then this does nothing), or the event
+          // channel broke: without it a disconnect would go unseen, and the
+          // poller's sink counts on this coroutine's reference until Fail().
+          self->Fail(absl::UnavailableError(
+              absl::StrCat("connection to ", self->peer_uri_, ": CM event channel failed: ", ev.status().message())));
+          co_return;
+        }
         const auto type = (*ev)->event;
         if (type == RDMA_CM_EVENT_DISCONNECTED || type == RDMA_CM_EVENT_DEVICE_REMOVAL ||
             type == RDMA_CM_EVENT_TIMEWAIT_EXIT) {
@@ -1897,8 +1884,6 @@ class RdmaConnectionImpl final : public std::enable_shared_from_this<RdmaConnect
     Message message;
   };
   bool in_completions_ = false;
-  bool in_batch_ = false;                        // in OnBatch (the poller's sink)
-  std::shared_ptr<RdmaConnectionImpl> retired_;  // the last outside reference, let go in a batch
   int doorbell_hold_ = 0;  // > 0: posts are collected in held_ (DoorbellHold)
   HeldPosts held_;
   transport::MessageSink* sink_ = nullptr;  // SetSink(): gets every message instead of receivers_
@@ -1922,10 +1907,7 @@ namespace {
 class RdmaConnection final : public transport::Connection {
  public:
   explicit RdmaConnection(std::shared_ptr<RdmaConnectionImpl> impl) : impl_(std::move(impl)) {}
-  ~RdmaConnection() override {
-    impl_->Close();
-    RdmaConnectionImpl::Retire(std::move(impl_));
-  }
+  ~RdmaConnection() override { impl_->Close(); }
 
   asio::any_io_executor get_executor() const override { return impl_->executor(); }
   size_t max_message_size() const override { return impl_->max_message_size(); }
