@@ -768,6 +768,25 @@ TEST(RpcMetrics, HistogramBucketsAreInclusiveUpperBounds) {
   EXPECT_EQ(h.sum_us(), 0u + 1 + 2 + 3 + 10'000'000 + 10'000'001);
 }
 
+// BucketOf starts from a table by bit width: it must agree with the
+// definition (the first bound >= the value) everywhere, in particular at every
+// bound and power of two and either side of them.
+TEST(RpcMetrics, HistogramBucketOfAgreesWithTheBoundsEverywhere) {
+  auto by_definition = [](uint64_t us) {
+    size_t i = 0;
+    while (i < kLatencyBucketBoundsUs.size() && us > kLatencyBucketBoundsUs[i]) ++i;
+    return i;
+  };
+  std::vector<uint64_t> values;
+  for (uint64_t us = 0; us <= 20'000; ++us) values.push_back(us);
+  for (uint64_t b : kLatencyBucketBoundsUs)
+    for (uint64_t d : {b - 1, b, b + 1}) values.push_back(d);
+  for (int w = 1; w < 64; ++w)
+    for (uint64_t d : {(uint64_t{1} << w) - 1, uint64_t{1} << w, (uint64_t{1} << w) + 1}) values.push_back(d);
+  values.push_back(~uint64_t{0});
+  for (uint64_t us : values) ASSERT_EQ(LatencyHistogram::BucketOf(us), by_definition(us)) << us << " us";
+}
+
 TEST(RpcMetrics, ExpositionParserRejectsBadLines) {
   EXPECT_TRUE(ParseExposition("# TYPE a counter\na 1\n").errors.empty());
   EXPECT_FALSE(ParseExposition("a 1\n").errors.empty());                                // no TYPE
