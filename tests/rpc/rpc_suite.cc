@@ -663,6 +663,51 @@ TEST_P(RpcSuite, UnknownMethodIsUnimplementedAndNamesWhatIsServed) {
   EXPECT_EQ(env.OnIo([&] { return env.server().stats().unknown_methods; }), 1u);
 }
 
+// The server remembers each connection's last method (no hash lookup when
+// the next call goes to the same one): calls that alternate between methods,
+// and an unknown one between them, on one connection still each reach their
+// own handler and are counted to their own method.
+TEST_P(RpcSuite, CallsAlternatingBetweenMethodsOnOneConnectionEachReachTheirOwn) {
+  Env env(GetParam());
+  auto channel = env.NewChannel(env.StartServer());
+  TestSvc::Stub stub(channel);
+  rdmarpc::test::Unserved::Stub unserved(channel);
+  int echoes = 0, fails = 0;
+  for (int i = 0; i < 6; ++i) {
+    if (i % 3 != 2) {
+      Payload req;
+      req.set_data(absl::StrCat("call ", i));
+      ClientContext ctx;
+      auto [code, resp] = Sync<Payload>([&](auto t) { return stub.async_Echo(ctx, req, t); });
+      ASSERT_EQ(code, StatusCode::kOk) << "call " << i << ": " << ctx.status().ToString();
+      EXPECT_EQ(resp.data(), req.data()) << "call " << i;
+      ++echoes;
+    }
+    if (i % 2 == 1) {
+      FailRequest req;
+      req.set_code(static_cast<uint32_t>(StatusCode::kNotFound));
+      req.set_message(absl::StrCat("fail ", i));
+      ClientContext ctx;
+      EXPECT_EQ(Sync<Empty>([&](auto t) { return stub.async_Fail(ctx, req, t); }).first, StatusCode::kNotFound);
+      EXPECT_EQ(ctx.status().message(), req.message());
+      ++fails;
+    }
+    if (i == 3) {
+      ClientContext ctx;
+      EXPECT_EQ(Sync<Empty>([&](auto t) { return unserved.async_Nothing(ctx, Empty(), t); }).first,
+                StatusCode::kUnimplemented);
+    }
+  }
+  env.OnIo([&] {
+    const MethodMetrics* echo = env.server().metrics().Find("rdmarpc.test.Test/Echo");
+    const MethodMetrics* fail = env.server().metrics().Find("rdmarpc.test.Test/Fail");
+    EXPECT_EQ(echo != nullptr ? echo->calls() : ~uint64_t{0}, static_cast<uint64_t>(echoes));
+    EXPECT_EQ(fail != nullptr ? fail->calls() : ~uint64_t{0}, static_cast<uint64_t>(fails));
+    EXPECT_EQ(env.server().stats().unknown_methods, 1u);
+    return 0;
+  });
+}
+
 TEST_P(RpcSuite, AStreamingMethodTheServiceDoesNotImplementEndsUnimplemented) {
   Env env(GetParam());
   auto channel = env.NewChannel(env.StartServer());
